@@ -1,0 +1,69 @@
+"""Contract of a rollout engine: token ids in, token ids with log-probs and versions out.
+
+Every engine (builtin, vLLM, SGLang) speaks this protocol, so the rollout service never touches
+text. A request can be resumed as a continuation (prompt plus the tokens generated so far), which
+is how in-flight weight updates and multi-turn agents both work. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. temperature 0 means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to extend. `request_id` also seeds its sampling noise, so a request draws the
+    same tokens whichever batch it lands in."""
+
+    request_id: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: Literal["stop", "length"]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Called by an engine between decode steps; returns (version, named tensors) when newer weights
+# should be loaded before the next token, else None.
+WeightPoll = Callable[[], "tuple[int, Mapping[str, Any]] | None"]
+
+
+class Engine(Protocol):
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the engine holds now."""
+        ...
+
+    def load_weights(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        """Replace the weights (called between decode steps or batches); later tokens carry `version`."""
+        ...
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        *,
+        on_finished: Callable[[list[GenerationResult]], None] | None = None,
+        weight_poll: WeightPoll | None = None,
+    ) -> list[GenerationResult]:
+        """Generate every request to EOS or `max_new_tokens`. `on_finished` receives results as
+        soon as they finish (streaming); `weight_poll` is consulted between decode steps for an
+        in-flight weight update. Returns all results in request order."""
+        ...

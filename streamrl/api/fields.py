@@ -1,0 +1,26 @@
+"""Names of the sample fields that travel on the bus, and which role writes each.
+
+| field | written by | value |
+| --- | --- | --- |
+| prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
+| response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
+| reward, reward_status, reward_reason | reward | float or None; ok / invalid_output / timeout / infra_error; text |
+| ref_logprobs | reference | per-token log-probs under the reference model |
+| advantages | advantage | scalar advantage of the sample (broadcast over its tokens) |
+"""
+
+PROMPT_IDS = "prompt_ids"
+ANSWER = "answer"
+EXTRA = "extra"
+RESPONSE_IDS = "response_ids"
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+VERSIONS = "versions"
+FINISH_REASON = "finish_reason"
+REWARD = "reward"
+REWARD_STATUS = "reward_status"
+REWARD_REASON = "reward_reason"
+REF_LOGPROBS = "ref_logprobs"
+ADVANTAGES = "advantages"
+
+ROLLOUT_OUTPUTS = (RESPONSE_IDS, ROLLOUT_LOGPROBS, VERSIONS, FINISH_REASON)
+REWARD_OUTPUTS = (REWARD, REWARD_STATUS, REWARD_REASON)

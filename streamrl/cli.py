@@ -1,0 +1,71 @@
+"""The `streamrl` command line.
+
+    streamrl train [CONFIG.yaml ...] [key=value ...] [--resume RUN_DIR]
+    streamrl config show [CONFIG.yaml ...] [key=value ...]
+
+`streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
+started, trained with async GRPO on the built-in arithmetic task, on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from streamrl.config import ConfigError, dump_yaml, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrl", description="Asynchronous, streaming RL post-training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run (or resume) a training job")
+    train.add_argument(
+        "args", nargs="*", help="YAML config files and dotted key=value overrides, applied in order"
+    )
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint"
+    )
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="print the resolved config with every field's documentation"
+    )
+    show.add_argument("args", nargs="*", help="YAML config files and dotted key=value overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        if args.command == "config":
+            print(dump_yaml(load_config(args.args)))
+            return 0
+        resume = Path(args.resume) if args.resume else None
+        overrides = list(args.args)
+        if resume is not None:
+            saved = resume / "config.yaml"
+            if not saved.is_file():
+                raise ConfigError(
+                    f"--resume {resume}: no config.yaml there; is it a streamrl run directory?"
+                )
+            overrides = [str(saved), *overrides, f"run.run_dir={resume}"]
+        cfg = load_config(overrides)
+    except ConfigError as e:
+        print(f"streamrl: {e}", file=sys.stderr)
+        return 2
+    from streamrl.runtime.controller import train
+
+    train(cfg, resume=resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Reading a run's config: YAML files, then dotted `key=value` overrides, then validation.
+
+`load_config(["examples/arith.yaml", "algorithm.lr=1e-5", "rollout.max_staleness=2"])` merges in
+order. Every error names the bad key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from streamrl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says how to fix it."""
+
+
+def load_config(args: Sequence[str] = ()) -> Config:
+    """Build a Config from YAML paths and `dotted.key=value` overrides, applied left to right."""
+    data: dict[str, Any] = {}
+    for arg in args:
+        if "=" in arg:
+            key, _, raw = arg.partition("=")
+            _check_key(key.strip())
+            _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        else:
+            _deep_merge(data, _read_yaml(Path(arg)))
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist (overrides look like key=value)"
+        )
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}"
+        )
+    return loaded
+
+
+def _check_key(dotted: str) -> None:
+    """Reject an override whose key does not exist, listing the keys that do."""
+    model: type[BaseModel] = Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(
+                f"unknown config key {dotted!r}: {part!r} is not a field of {where}; "
+                f"allowed: {', '.join(sorted(fields))}"
+            )
+        annotation = fields[part].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        elif i < len(parts) - 1:
+            raise ConfigError(
+                f"config key {dotted!r}: {'.'.join(parts[: i + 1])!r} is not a section"
+            )
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _explain(error: ValidationError) -> str:
+    lines = ["invalid config:"]
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        value = item.get("input")
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            section = _section_for(item["loc"][:-1])
+            allowed = ", ".join(sorted(section.model_fields)) if section else "?"
+            msg = f"unknown key; allowed here: {allowed}"
+        lines.append(f"  {key} = {value!r}: {msg}")
+    return "\n".join(lines)
+
+
+def _section_for(loc: Sequence[Any]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        model = field.annotation
+    return model
+
+
+def dump_yaml(config: Config) -> str:
+    """The resolved config as YAML, with each field's docstring as a comment above it."""
+    out: list[str] = []
+    for section_name, section_field in Config.model_fields.items():
+        section = getattr(config, section_name)
+        out.append(f"# {section_field.description or ''}".rstrip())
+        out.append(f"{section_name}:")
+        for name, field in type(section).model_fields.items():
+            if field.description:
+                for doc_line in field.description.split("\n"):
+                    out.append(f"  # {doc_line.strip()}")
+            value = yaml.safe_dump(getattr(section, name), default_flow_style=True).strip()
+            value = value.removesuffix("\n...").removesuffix("...").strip()
+            out.append(f"  {name}: {value}")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,81 @@
+"""Prompt datasets: the built-in task or a user's JSONL file, validated row by row.
+
+A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
+keyword arguments). A malformed row in a user file is reported with its file and line and
+skipped; a file with no valid row is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamrl.data import arith
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of a dataset and what its reward needs to score answers to it."""
+
+    prompt: str
+    answer: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadReport:
+    rows: list[PromptRow]
+    num_skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def builtin_rows(num: int, *, digits: int, seed: int, split: str) -> list[PromptRow]:
+    return [
+        PromptRow(p.prompt, p.answer)
+        for p in arith.sample_problems(num, digits=digits, seed=seed, split=split)
+    ]
+
+
+def parse_row(obj: Any) -> PromptRow:
+    """Validate one decoded JSON row; raise ValueError saying what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(
+            f"expected a JSON object with 'prompt' and 'answer', got {type(obj).__name__}"
+        )
+    missing = [k for k in ("prompt", "answer") if k not in obj]
+    if missing:
+        raise ValueError(f"missing key(s) {missing}; a row needs 'prompt' (str) and 'answer' (str)")
+    prompt, answer = obj["prompt"], obj["answer"]
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"'prompt' must be a non-empty string, got {prompt!r}")
+    if not isinstance(answer, (str, int, float)):
+        raise ValueError(f"'answer' must be a string or number, got {type(answer).__name__}")
+    extra = {k: v for k, v in obj.items() if k not in ("prompt", "answer")}
+    return PromptRow(prompt, str(answer), extra)
+
+
+def load_jsonl(path: str | Path) -> LoadReport:
+    """Read a JSONL prompt file, skipping (and reporting) malformed lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    report = LoadReport(rows=[])
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                report.rows.append(parse_row(json.loads(line)))
+            except (json.JSONDecodeError, ValueError) as e:
+                report.num_skipped += 1
+                msg = f"{path}:{line_no}: skipped malformed row: {e}"
+                report.problems.append(msg)
+                log.warning(msg)
+    if not report.rows:
+        raise ValueError(f"dataset {str(path)!r} has no valid row ({report.num_skipped} malformed)")
+    return report

@@ -1,0 +1,105 @@
+"""Small pure helpers that roles use to turn raw per-sample numbers into metrics.
+
+Every role (rollout workers, the reward service, the trainer) reports a handful of
+numbers per step: the mean and spread of rewards, how stale the consumed samples were,
+how many tokens per second went through. These helpers compute those summaries the
+same way everywhere so that `reward/mean` means one thing across the code base. They
+depend on nothing but the standard library and can be called from any process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from numbers import Integral
+
+
+def summarize(values: Iterable[float], *, prefix: str = "") -> dict[str, float | int | None]:
+    """Mean, population std, min, max and count of `values`.
+
+    An empty input gives `count == 0` and None for every other statistic, so the
+    result can always be logged (the tracker skips None values in TensorBoard).
+    With `prefix="reward"` the keys become `reward/mean`, `reward/std`, ...
+    """
+    floats = [float(v) for v in values]
+    count = len(floats)
+    if count == 0:
+        stats: dict[str, float | int | None] = {
+            "mean": None,
+            "std": None,
+            "min": None,
+            "max": None,
+            "count": 0,
+        }
+    else:
+        mean = math.fsum(floats) / count
+        variance = math.fsum((v - mean) ** 2 for v in floats) / count
+        stats = {
+            "mean": mean,
+            "std": math.sqrt(variance),
+            "min": min(floats),
+            "max": max(floats),
+            "count": count,
+        }
+    if prefix:
+        return {f"{prefix}/{key}": value for key, value in stats.items()}
+    return stats
+
+
+def histogram_counts(values: Sequence[int]) -> dict[int, int]:
+    """How often each integer occurs in `values`, keyed in ascending order.
+
+    Used for discrete distributions such as staleness (policy versions behind).
+    """
+    for value in values:
+        if not isinstance(value, Integral):
+            raise TypeError(
+                f"histogram_counts expects integers, got {value!r} ({type(value).__name__}); "
+                "round or bucket continuous values before counting them"
+            )
+    return dict(sorted(Counter(int(v) for v in values).items()))
+
+
+class Throughput:
+    """Sliding-window tokens-per-second meter.
+
+    `rate()` is the number of tokens added during the last `window_s` seconds divided
+    by `window_s`, or by the meter's age while it is younger than the window. Tokens
+    are counted at the moment they are added, so a stall makes the rate decay towards
+    zero instead of freezing at the last value.
+
+    Times are `time.monotonic()` seconds; pass `t` explicitly to replay recorded
+    timestamps or to test deterministically.
+    """
+
+    def __init__(self, window_s: float = 30.0, *, t0: float | None = None) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self.created_t = time.monotonic() if t0 is None else t0
+        self.total_tokens = 0
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, num_tokens: int, t: float | None = None) -> None:
+        """Record `num_tokens` tokens finished at time `t` (default: now)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        now = time.monotonic() if t is None else t
+        self._events.append((now, num_tokens))
+        self.total_tokens += num_tokens
+        self._drop_older_than(now - self.window_s)
+
+    def rate(self, t: float | None = None) -> float:
+        """Tokens per second over the window ending at `t` (default: now)."""
+        now = time.monotonic() if t is None else t
+        self._drop_older_than(now - self.window_s)
+        span_s = min(self.window_s, now - self.created_t)
+        if span_s <= 0:
+            return 0.0
+        return sum(n for _, n in self._events) / span_s
+
+    def _drop_older_than(self, cutoff: float) -> None:
+        while self._events and self._events[0][0] <= cutoff:
+            self._events.popleft()

@@ -1,0 +1,23 @@
+"""Rule rewards: deterministic functions of the response text and the reference answer.
+
+A reward function returns a float (status ok) or a `RewardResult` when it needs another status,
+for instance `invalid_output` for a response that is not an answer at all.
+"""
+
+from __future__ import annotations
+
+import re
+
+from streamrl.api.reward import RewardResult
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def arith_exact_match(response: str, answer: str, **_: object) -> RewardResult:
+    """1.0 when the number after the last ':' is the answer, 0.0 for another number,
+    `invalid_output` when there is no such number (for example a cut-off response)."""
+    _, sep, final = response.strip().rpartition(":")
+    final = final.strip()
+    if not sep or not _INTEGER.fullmatch(final):
+        return RewardResult.invalid(f"no ':<integer>' answer at the end of {response[-30:]!r}")
+    return RewardResult.ok(1.0 if int(final) == int(answer) else 0.0)

@@ -1,0 +1,48 @@
+"""Resolving a reward function by dotted path and turning whatever it returns into a RewardResult."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+from streamrl.api.reward import RewardResult
+
+
+def resolve_callable(path: str) -> Callable[..., Any]:
+    """Import `module:function` (or `module.function`); the error says what was wrong."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"expected a dotted path like 'my_pkg.rewards:score', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def to_result(value: Any) -> RewardResult:
+    """Normalise a reward function's return value; anything unusable is an infra_error, never 0."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return RewardResult(
+            None, "infra_error", f"reward returned {type(value).__name__}, not a number"
+        )
+    if not math.isfinite(value):
+        return RewardResult(None, "infra_error", f"reward returned {value}")
+    return RewardResult.ok(float(value))
+
+
+def score_text(fn: Callable[..., Any], text: str, row: Any) -> RewardResult:
+    """Score in this process (the held-out eval and the sandbox worker call this)."""
+    try:
+        return to_result(fn(text, row.answer, **row.extra))
+    except Exception as e:  # a user's reward may raise anything; it is reported, not hidden
+        return RewardResult(None, "infra_error", f"{type(e).__name__}: {e}"[:200])

@@ -1,0 +1,127 @@
+"""The rollout role: claims prompt rows it may generate now, generates, writes responses back.
+
+Admission control is the staleness dial: a row of batch b may be generated only once the engine
+holds policy version >= b - max_staleness. Finished samples are written as soon as the engine
+reports them (streaming), with per-token log-probs and policy versions. Weights are pulled from
+the weight-sync service before each batch and, when enabled, between decode steps (in flight).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from streamrl.api import fields as F
+from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
+
+CONSUMER = "rollout"
+
+
+def to_requests(rows: Sequence[Mapping[str, Any]]) -> list[GenerationRequest]:
+    return [GenerationRequest(r["sample_id"], [int(t) for t in r[F.PROMPT_IDS]]) for r in rows]
+
+
+def result_fields(result: GenerationResult) -> dict[str, Any]:
+    return {
+        F.RESPONSE_IDS: np.asarray(result.response_ids, dtype=np.int64),
+        F.ROLLOUT_LOGPROBS: np.asarray(result.logprobs, dtype=np.float32),
+        F.VERSIONS: np.asarray(result.versions, dtype=np.int64),
+        F.FINISH_REASON: result.finish_reason,
+    }
+
+
+class RolloutRole:
+    def __init__(
+        self,
+        bus,
+        weights,
+        engine,
+        *,
+        params: SamplingParams,
+        max_staleness: int,
+        max_rows: int,
+        inflight_updates: bool,
+        lease_s: float,
+    ):
+        self.bus = bus
+        self.weights = weights
+        self.engine = engine
+        self.params = params
+        self.max_staleness = max_staleness
+        self.max_rows = max_rows
+        self.inflight_updates = inflight_updates
+        self.lease_s = lease_s
+        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
+        self.inflight_poll_s = 0.02
+        self.flush_rows = 64
+        self._last_poll = 0.0
+        self.busy_s = 0.0
+        self.num_tokens = 0
+        self.num_samples = 0
+
+    def pull_weights(self):
+        """Return (version, tensors) if the weight service has a newer version than the engine."""
+        self._last_poll = time.perf_counter()
+        return self.weights.fetch_newer(self.engine.version)
+
+    def poll_inflight(self):
+        """Between decode steps: ask for newer weights at most every `inflight_poll_s`."""
+        if time.perf_counter() - self._last_poll < self.inflight_poll_s:
+            return None
+        return self.pull_weights()
+
+    def step(self) -> bool:
+        update = self.pull_weights()
+        if update is not None:
+            self.engine.load_weights(*update)
+        newest_allowed = self.engine.version + self.max_staleness
+        lease = self.bus.claim(
+            CONSUMER,
+            [F.PROMPT_IDS],
+            self.max_rows,
+            sampler="fifo",
+            where={"batch_index": ("<=", newest_allowed)},
+            lease_s=self.lease_s,
+            wait_s=self.claim_wait_s,
+        )
+        if lease is None:
+            return False
+        start = time.perf_counter()
+
+        finished: list[GenerationResult] = []
+
+        def flush() -> None:
+            self.bus.write({r.request_id: result_fields(r) for r in finished})
+            self.num_tokens += sum(len(r.response_ids) for r in finished)
+            self.num_samples += len(finished)
+            finished.clear()
+
+        def on_finished(results: list[GenerationResult]) -> None:
+            # Stream finished samples out in chunks: early enough for the next roles, few
+            # enough bus calls to stay cheap.
+            finished.extend(results)
+            if len(finished) >= self.flush_rows:
+                flush()
+
+        self.engine.generate(
+            to_requests(lease.rows),
+            self.params,
+            on_finished=on_finished,
+            weight_poll=self.poll_inflight if self.inflight_updates else None,
+        )
+        if finished:
+            flush()
+        self.bus.ack(lease.lease_id)
+        self.busy_s += time.perf_counter() - start
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "busy_s": self.busy_s,
+            "tokens": self.num_tokens,
+            "samples": self.num_samples,
+            "version": self.engine.version,
+        }

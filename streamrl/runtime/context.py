@@ -1,0 +1,56 @@
+"""What every role needs to know about a run, prepared once by the controller.
+
+`prepare` resolves the policy directory (building and warm-starting the built-in model on first
+use), loads the datasets, and fixes the run directory. The result is small and plain, so it can
+be passed to Ray actors, which rebuild their heavy objects (model, tokenizer) from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrl.config.schema import Config
+from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    policy_dir: Path
+    run_dir: Path
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow]
+    num_malformed_rows: int = 0
+    checkpoint: Path | None = None
+    """Checkpoint the trainer resumes from (None: a fresh start)."""
+
+
+def make_run_dir(cfg: Config) -> Path:
+    if cfg.run.run_dir is not None:
+        return Path(cfg.run.run_dir)
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
+    d = cfg.data
+    skipped = 0
+    if d.train_file:
+        report = load_jsonl(d.train_file)
+        train, skipped = report.rows, report.num_skipped
+    else:
+        train = builtin_rows(5_000, digits=d.digits, seed=d.seed, split="train")
+    if d.eval_file:
+        report = load_jsonl(d.eval_file)
+        evals, skipped = report.rows[: d.num_eval], skipped + report.num_skipped
+    else:
+        evals = builtin_rows(d.num_eval, digits=d.digits, seed=d.seed, split="eval")
+    return train, evals, skipped
+
+
+def prepare(
+    cfg: Config, policy_dir: Path, run_dir: Path, checkpoint: Path | None = None
+) -> RunContext:
+    train, evals, skipped = load_datasets(cfg)
+    return RunContext(cfg, policy_dir, run_dir, train, evals, skipped, checkpoint)

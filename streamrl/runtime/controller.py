@@ -1,0 +1,200 @@
+"""The controller: prepares a run, starts its roles in the chosen mode, and reports.
+
+It owns everything around the roles: the run directory and its saved config, the warm start,
+resume from the latest checkpoint, metrics (console, JSONL, TensorBoard), the progress bar,
+peak memory of the whole process tree, and the end-of-run summary, plot and table. It never
+trains or generates itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.config import Config, dump_yaml
+from streamrl.metrics import (
+    MetricsTracker,
+    PeakMemorySampler,
+    RunProgress,
+    phase,
+    plot_run,
+    print_summary,
+    read_metrics,
+    write_summary,
+)
+from streamrl.runtime.context import make_run_dir, prepare
+from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+from streamrl.trainer.sft import ensure_policy_dir
+
+log = logging.getLogger(__name__)
+
+SAMPLES_LOG = "trained_samples.jsonl"
+
+
+class RecordSink:
+    """Turns trainer records into metrics lines, the trained-samples log and progress updates."""
+
+    def __init__(self, run_dir: Path, tracker: MetricsTracker, progress: RunProgress):
+        self.tracker = tracker
+        self.progress = progress
+        self.samples = (run_dir / SAMPLES_LOG).open("a")
+        self.first_eval: float | None = None
+        self.last_eval: float | None = None
+        self.total_tokens = 0
+        self.trainer_busy_s = 0.0
+        self.steps_done = 0
+        self.dropped: dict[str, int] = {}
+        self._last_time: float | None = None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        step, metrics = record["step"], dict(record["metrics"])
+        now = time.perf_counter()
+        if "eval/accuracy" in metrics:
+            self.last_eval = metrics["eval/accuracy"]
+            if self.first_eval is None:
+                self.first_eval = self.last_eval
+        if "response/tokens" in metrics:  # a training step (not the initial evaluation)
+            self.steps_done += 1
+            self.total_tokens += metrics["response/tokens"]
+            if self._last_time is not None:
+                wall = now - self._last_time
+                busy = (
+                    metrics.get("time/trainer_busy_s", 0.0)
+                    + metrics.get("time/eval_s", 0.0)
+                    + metrics.get("time/checkpoint_s", 0.0)
+                )
+                metrics["throughput/tokens_per_s"] = metrics["response/tokens"] / max(wall, 1e-9)
+                metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
+            self.trainer_busy_s += metrics.get("time/trainer_busy_s", 0.0)
+            for key, value in metrics.items():
+                if key.startswith("samples/dropped_"):
+                    reason = key.removeprefix("samples/dropped_")
+                    self.dropped[reason] = self.dropped.get(reason, 0) + int(value)
+        self._last_time = now
+        self.tracker.log(step, metrics)
+        line = {"step": step, "ids": record["trained_ids"], "digest": record.get("samples_digest")}
+        self.samples.write(json.dumps(line) + "\n")
+        self.samples.flush()
+        self.progress.update(step, metrics)
+
+    def close(self) -> None:
+        self.samples.close()
+
+
+def truncate_samples_log(run_dir: Path, from_step: int) -> None:
+    path = run_dir / SAMPLES_LOG
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] < from_step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
+    """Run (or resume) a training job; returns the summary also written to summary.json."""
+    started = time.time()
+    run_dir = resume if resume is not None else make_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    memory = PeakMemorySampler(interval_s=0.5)
+    memory.start()
+    try:
+        with phase(
+            "warm start: SFT on a noisy teacher (cached after the first run)",
+            cfg.warm_start.steps,
+            enabled=cfg.run.progress,
+        ) as advance:
+            policy_dir = ensure_policy_dir(cfg, progress=lambda _desc, _total: advance)
+        checkpoint = latest_checkpoint(run_dir) if resume is not None else None
+        start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
+        if resume is not None and checkpoint is None:
+            log.warning("no checkpoint in %s: starting from step 0", run_dir)
+        ctx = prepare(cfg, policy_dir, run_dir, checkpoint)
+        tracker = MetricsTracker(
+            run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
+        )
+        if start_step:
+            tracker.truncate_from(start_step + 1)
+            truncate_samples_log(run_dir, start_step + 1)
+        progress = RunProgress(
+            cfg.trainer.steps,
+            enabled=cfg.run.progress,
+            start_step=start_step,
+            description=f"RL ({cfg.runtime.mode})",
+        )
+        sink = RecordSink(run_dir, tracker, progress)
+        rl_started = time.time()
+        with progress:
+            role_stats = _run_mode(ctx, sink, start_step)
+        rl_wall = time.time() - rl_started
+        sink.close()
+        tracker.close()
+    finally:
+        memory.stop()
+    summary = _summary(
+        cfg,
+        run_dir,
+        sink,
+        role_stats,
+        started,
+        rl_wall,
+        memory.peak_bytes,
+        start_step,
+        ctx.num_malformed_rows,
+    )
+    write_summary(run_dir, summary)
+    plot_run(
+        read_metrics(run_dir), run_dir / "reward_accuracy.png", title=f"streamrl {cfg.runtime.mode}"
+    )
+    if cfg.run.progress or cfg.run.log_every:
+        print_summary(summary)
+    return summary
+
+
+def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
+    mode = ctx.cfg.runtime.mode
+    if mode == "sync":
+        from streamrl.runtime.components import set_threads
+        from streamrl.runtime.sync import run_sync
+
+        set_threads(ctx.cfg.runtime.sync_threads or os.cpu_count() or 1)
+        return run_sync(ctx, sink, start_step=start_step)
+    if mode == "inline":
+        from streamrl.runtime.inline import run_inline
+
+        return run_inline(ctx, sink, start_step=start_step)
+    from streamrl.runtime.ray_runtime import run_ray
+
+    return run_ray(ctx, sink, start_step=start_step)
+
+
+def _summary(
+    cfg, run_dir, sink: RecordSink, role_stats, started, rl_wall, peak_bytes, start_step, malformed
+) -> dict[str, Any]:
+    rollout_busy = role_stats.get("rollout", {}).get("busy_s")
+    return {
+        "run_name": run_dir.name,
+        "mode": cfg.runtime.mode,
+        "max_staleness": cfg.rollout.max_staleness,
+        "initial_eval_accuracy": sink.first_eval,
+        "final_eval_accuracy": sink.last_eval,
+        "num_steps": cfg.trainer.steps,
+        "resumed_from_step": start_step,
+        "wall_time_s": time.time() - started,
+        "rl_wall_time_s": rl_wall,
+        "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
+        "peak_memory_bytes": peak_bytes,
+        "num_samples_dropped": dict(sink.dropped),
+        "num_malformed_dataset_rows": malformed,
+        "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),
+        "rollout_busy_fraction": (rollout_busy / rl_wall) if rollout_busy is not None else None,
+    }

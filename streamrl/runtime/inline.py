@@ -1,0 +1,61 @@
+"""Inline mode: every role an asyncio task in one process, sharing an in-process bus.
+
+For debugging and tests: same roles, same bus contract, same weight-sync interface as the Ray
+runtime, with no processes to start. Each task loops `role.step()`, yielding to the others
+between steps (and sleeping briefly when its role found nothing to do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from streamrl.bus.local import LocalBus
+from streamrl.runtime.context import RunContext
+from streamrl.runtime.roles import CONSUMERS, build_role, bus_capacity_groups
+from streamrl.weights.dcs import InProcessWeights
+
+
+def run_inline(
+    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+) -> dict[str, Any]:
+    return asyncio.run(_run(ctx, on_record, start_step))
+
+
+async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
+    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
+    for consumer in CONSUMERS:
+        bus.register_consumer(consumer)
+    weights = InProcessWeights()
+    trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)
+    others = {
+        name: build_role(name, ctx, bus, weights, start_step=start_step)
+        for name in ("feeder", "rollout", "reward", "advantage")
+    }
+    poll_s = ctx.cfg.runtime.poll_s
+
+    async def loop(role) -> None:
+        while not trainer.done:
+            progressed = role.step()
+            await asyncio.sleep(0 if progressed else poll_s)
+
+    async def train_loop() -> None:
+        while not trainer.done:
+            progressed = trainer.step()
+            for record in trainer.drain():
+                on_record(record)
+            await asyncio.sleep(0 if progressed else poll_s)
+        for record in trainer.drain():
+            on_record(record)
+
+    for record in trainer.drain():
+        on_record(record)
+    try:
+        await asyncio.gather(train_loop(), *(loop(r) for r in others.values()))
+    finally:
+        others["reward"].close()
+    stats = {name: role.stats() for name, role in others.items()}
+    stats["trainer"] = trainer.stats()
+    stats["bus"] = bus.stats()
+    return stats

@@ -1,0 +1,160 @@
+"""Ray mode: every role its own Ray actor process, joined by the Ray bus and Ray weight store.
+
+```
+ feeder ─rows─► bus actor ◄─claim/write/ack─ rollout, reward, advantage, trainer actors
+ trainer ─publish(v, buckets)─► weight store actor ─fetch_newer─► rollout (between decode steps)
+ driver: starts everything, drains trainer records, logs, stops the roles when done
+```
+
+| loop | consumes | produces | waits on | unblocked by |
+| --- | --- | --- | --- | --- |
+| feeder | bus capacity | prompt rows of batch b | (max_staleness+1) batches in flight | trainer acks |
+| rollout | prompt rows with b <= version + s | responses, log-probs, versions | weight version | trainer publish |
+| reward | responses | reward + status | responses | rollout |
+| advantage | whole scored groups | advantages | last sample of a group | reward |
+| trainer | groups of batch k with advantages | version k+1 | slowest group of batch k | advantage |
+
+Each actor runs its role's loop in a thread (`run`), so the driver can ask it for stats and
+records or tell it to stop while the loop runs. Ray starts locally when no address is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from streamrl.runtime.context import RunContext
+from streamrl.runtime.roles import CONSUMERS, bus_capacity_groups
+
+log = logging.getLogger(__name__)
+
+ROLE_THREADS = {"rollout": 1, "trainer": 1, "reward": 1, "advantage": 1, "feeder": 1}
+
+
+class RoleActor:
+    """One role in its own process: builds it, then loops `step()` until told to stop."""
+
+    def __init__(self, name: str, ctx: RunContext, bus, weights, start_step: int, threads: int):
+        from streamrl.runtime.components import set_threads
+        from streamrl.runtime.roles import build_role
+
+        set_threads(threads)
+        self.name = name
+        self.role = build_role(
+            name,
+            ctx,
+            bus,
+            weights,
+            start_step=start_step,
+            claim_wait_s=ctx.cfg.runtime.claim_wait_s,
+        )
+        self.poll_s = ctx.cfg.runtime.poll_s
+        self._stop = threading.Event()
+        self.error: str | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self) -> None:
+        try:
+            idle_s = self.poll_s
+            while not self._stop.is_set():
+                if getattr(self.role, "done", False):
+                    return
+                if self.role.step():
+                    idle_s = self.poll_s
+                else:  # back off while there is nothing to do, up to 16x the poll interval
+                    time.sleep(idle_s)
+                    idle_s = min(idle_s * 2, self.poll_s * 16)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            close = getattr(self.role, "close", None)
+            if close is not None:
+                close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict[str, Any]:
+        return self.role.stats()
+
+    def drain(self) -> list[dict[str, Any]]:
+        return self.role.drain() if hasattr(self.role, "drain") else []
+
+
+def ensure_ray(ctx: RunContext) -> None:
+    if ray.is_initialized():
+        return
+    rt = ctx.cfg.runtime
+    if rt.ray_address:
+        ray.init(address=rt.ray_address, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=rt.num_cpus or 8,
+            include_dashboard=False,
+            log_to_driver=True,
+            object_store_memory=256 * 2**20,
+            configure_logging=False,
+        )
+
+
+def run_ray(
+    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+) -> dict[str, Any]:
+    from streamrl.bus.ray_bus import RayBus
+    from streamrl.weights.dcs import RayWeights
+
+    t0 = time.perf_counter()
+    ensure_ray(ctx)
+    log.info("ray ready in %.1fs", time.perf_counter() - t0)
+    bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx))
+    for consumer in CONSUMERS:
+        bus.register_consumer(consumer)
+    weights = RayWeights.create()
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(RoleActor)
+    names = ("trainer", "rollout", "reward", "advantage", "feeder")
+    actors = {
+        n: actor_cls.options(name=None).remote(
+            n,
+            ctx,
+            bus,
+            weights,
+            start_step,
+            ctx.cfg.trainer.threads if n == "trainer" else ROLE_THREADS[n],
+        )
+        for n in names
+    }
+    ray.get([a.ready.remote() for a in actors.values()])
+    log.info("roles started in %.1fs", time.perf_counter() - t0)
+    runs = {n: a.run.remote() for n, a in actors.items()}
+    trainer = actors["trainer"]
+    try:
+        while True:
+            for record in ray.get(trainer.drain.remote()):
+                on_record(record)
+            finished, _ = ray.wait(list(runs.values()), timeout=0.2, num_returns=len(runs))
+            for ref in finished:
+                ray.get(ref)  # re-raises a role's error here, with its traceback
+            if runs["trainer"] in finished:
+                break
+        for record in ray.get(trainer.drain.remote()):
+            on_record(record)
+        stats = {n: ray.get(a.stats.remote()) for n, a in actors.items()}
+        stats["bus"] = bus.stats()
+        log.info("training done at %.1fs", time.perf_counter() - t0)
+    finally:
+        for a in actors.values():
+            a.stop.remote()
+        ray.wait(list(runs.values()), timeout=10, num_returns=len(runs))
+        for a in actors.values():
+            ray.kill(a)
+        bus.close()
+        log.info("roles stopped at %.1fs", time.perf_counter() - t0)
+    return stats

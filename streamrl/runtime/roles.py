@@ -1,0 +1,155 @@
+"""Building each role from the run context, the same way in inline mode and inside Ray actors.
+
+A role is an object with `step() -> bool` (did it do any work) and `stats() -> dict`; the
+runtime supplies the loop around it (an asyncio task inline, a thread in a Ray actor).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from streamrl.data.feeder import PromptFeeder
+from streamrl.models.loading import load_tokenizer
+from streamrl.reward.service import RewardRole
+from streamrl.rollout.service import RolloutRole
+from streamrl.runtime import components as C
+from streamrl.runtime.context import RunContext
+from streamrl.trainer.advantage import AdvantageRole
+from streamrl.trainer.checkpoint import load_checkpoint
+from streamrl.trainer.hooks import TrainerHooks
+from streamrl.trainer.service import TrainerRole
+
+CONSUMERS = ("rollout", "reward", "advantage", "trainer")
+
+
+class FeederRole:
+    """Adds one batch of prompt groups whenever the bus has room (capacity backpressure)."""
+
+    def __init__(self, bus, feeder: PromptFeeder, *, start_batch: int, end_batch: int):
+        self.bus = bus
+        self.feeder = feeder
+        self.next_batch = start_batch
+        self.end_batch = end_batch
+
+    def step(self) -> bool:
+        if self.next_batch >= self.end_batch or not self.bus.can_add(self.feeder.batch_prompts):
+            return False
+        self.bus.add_rows(self.feeder.batch(self.next_batch))
+        self.next_batch += 1
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"next_batch": self.next_batch}
+
+
+def bus_capacity_groups(ctx: RunContext) -> int:
+    """At most (max_staleness + 1) batches of prompts in flight."""
+    r = ctx.cfg.rollout
+    return (r.max_staleness + 1) * r.batch_prompts
+
+
+def build_role(
+    name: str, ctx: RunContext, bus, weights, *, start_step: int, claim_wait_s: float = 0.0
+):
+    """Build role `name`; `claim_wait_s` > 0 makes its empty claims long-poll the bus."""
+    role = _build_role(name, ctx, bus, weights, start_step=start_step)
+    target = role.role if isinstance(role, TrainerWithHooks) else role
+    if hasattr(target, "claim_wait_s"):
+        target.claim_wait_s = claim_wait_s
+    return role
+
+
+def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
+    cfg, rt = ctx.cfg, ctx.cfg.runtime
+    group_rows = cfg.rollout.batch_prompts * cfg.rollout.group_size
+    if name == "feeder":
+        tokenizer = load_tokenizer(ctx.policy_dir)
+        feeder = PromptFeeder(
+            ctx.train_rows,
+            tokenizer,
+            batch_prompts=cfg.rollout.batch_prompts,
+            group_size=cfg.rollout.group_size,
+            seed=cfg.data.seed,
+        )
+        return FeederRole(bus, feeder, start_batch=start_step, end_batch=cfg.trainer.steps)
+    if name == "rollout":
+        return RolloutRole(
+            bus,
+            weights,
+            C.make_engine(ctx),
+            params=C.sampling_params(ctx),
+            max_staleness=cfg.rollout.max_staleness,
+            max_rows=cfg.rollout.max_batch_size,
+            inflight_updates=cfg.rollout.inflight_weight_updates,
+            lease_s=rt.lease_s,
+        )
+    if name == "reward":
+        return RewardRole(
+            bus,
+            C.make_scorer(ctx),
+            load_tokenizer(ctx.policy_dir),
+            invalid_penalty=cfg.reward.invalid_output_penalty,
+            max_rows=group_rows,
+            lease_s=rt.lease_s,
+        )
+    if name == "advantage":
+        return AdvantageRole(
+            bus, std_eps=cfg.algorithm.std_eps, max_rows=group_rows, lease_s=rt.lease_s
+        )
+    if name == "trainer":
+        return build_trainer(ctx, bus, weights, start_step=start_step, checkpoint=ctx.checkpoint)
+    raise ValueError(f"unknown role {name!r}; roles: feeder, {', '.join(CONSUMERS)}")
+
+
+class TrainerWithHooks:
+    """The trainer role plus evaluation and checkpoints; `records` collects finished steps."""
+
+    def __init__(self, role: TrainerRole, hooks: TrainerHooks):
+        self.role = role
+        self.hooks = hooks
+        # Appended by the loop thread, drained by the driver's thread: a deque is safe for that.
+        self.records: deque[dict[str, Any]] = deque()
+        if role.current == 0:
+            self.records.append(hooks.initial_record())
+
+    def step(self) -> bool:
+        record = self.role.step()
+        if record is not None:
+            self.records.append(self.hooks.after_step(record))
+        return self.role.progressed
+
+    @property
+    def done(self) -> bool:
+        return self.role.current >= self.hooks.ctx.cfg.trainer.steps
+
+    def drain(self) -> list[dict[str, Any]]:
+        out = []
+        while self.records:
+            out.append(self.records.popleft())
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"busy_s": self.role.trainer.busy_s, "step": self.role.current}
+
+
+def build_trainer(
+    ctx: RunContext, bus, weights, *, start_step: int, checkpoint=None
+) -> TrainerWithHooks:
+    cfg = ctx.cfg
+    batch_trainer = C.make_batch_trainer(ctx)
+    learner = batch_trainer.learner
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, learner)
+    assert learner.version == start_step, (learner.version, start_step)
+    weights.publish(learner.version, learner.named_weights())
+    role = TrainerRole(
+        bus,
+        weights,
+        batch_trainer,
+        batch_prompts=cfg.rollout.batch_prompts,
+        micro_batch_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
+        lease_s=cfg.runtime.lease_s,
+        start_step=start_step,
+    )
+    return TrainerWithHooks(role, TrainerHooks(ctx, learner, bus_state=bus.state_dict))

@@ -1,0 +1,74 @@
+"""The synchronous loop: generate a batch, score it, train on it, update the engine; repeat.
+
+It runs every stage in turn in one process, on all the cores it is given, and is the baseline
+that `max_staleness=0` must reproduce exactly and that async mode is measured against. It uses
+the same functions as the roles, so the two differ only in scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from streamrl.data.feeder import PromptFeeder
+from streamrl.models.loading import load_tokenizer
+from streamrl.reward.service import score_rows
+from streamrl.rollout.service import result_fields, to_requests
+from streamrl.runtime import components as C
+from streamrl.runtime.context import RunContext
+from streamrl.trainer.advantage import advantage_fields
+from streamrl.trainer.checkpoint import load_checkpoint
+from streamrl.trainer.hooks import TrainerHooks
+
+
+def run_sync(
+    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+) -> dict[str, Any]:
+    cfg = ctx.cfg
+    tokenizer = load_tokenizer(ctx.policy_dir)
+    feeder = PromptFeeder(
+        ctx.train_rows,
+        tokenizer,
+        batch_prompts=cfg.rollout.batch_prompts,
+        group_size=cfg.rollout.group_size,
+        seed=cfg.data.seed,
+    )
+    trainer = C.make_batch_trainer(ctx)
+    if ctx.checkpoint is not None:
+        load_checkpoint(ctx.checkpoint, trainer.learner)
+    hooks = TrainerHooks(ctx, trainer.learner)
+    engine = C.make_engine(ctx)
+    engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
+    scorer = C.make_scorer(ctx)
+    params = C.sampling_params(ctx)
+    micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
+    rollout_s = 0.0
+    if start_step == 0:
+        on_record(hooks.initial_record())
+    try:
+        for step in range(start_step, cfg.trainer.steps):
+            started = time.perf_counter()
+            rows = [
+                {"sample_id": r["sample_id"], "group_id": r["group_id"], **r["fields"]}
+                for r in feeder.batch(step)
+            ]
+            for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
+                row.update(result_fields(result))
+            rollout_s += time.perf_counter() - started
+            _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
+            _merge(rows, advantage_fields(rows, cfg.algorithm.std_eps))
+            for start in range(0, len(rows), micro):
+                trainer.train_microbatch(rows[start : start + micro])
+            record = trainer.finish()
+            engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
+            record["metrics"]["time/step_s"] = time.perf_counter() - started
+            on_record(hooks.after_step(record))
+    finally:
+        scorer.close()
+    return {"rollout": {"busy_s": rollout_s}}
+
+
+def _merge(rows: list[dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:
+    for row in rows:
+        row.update(updates.get(row["sample_id"], {}))

@@ -1,0 +1,49 @@
+"""What the trainer does around optimizer steps: held-out evaluation and checkpoints.
+
+Runs in the trainer's own process (it holds the model), in every mode. Steps in records and
+metrics count policy versions: the initial evaluation is step 0 and the record of the k-th
+optimizer step is step k.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from streamrl.runtime.components import Evaluator
+from streamrl.runtime.context import RunContext
+from streamrl.trainer.checkpoint import save_checkpoint
+
+
+class TrainerHooks:
+    def __init__(self, ctx: RunContext, learner, bus_state=None):
+        self.ctx = ctx
+        self.learner = learner
+        self.evaluator = Evaluator(ctx, learner.model)
+        self.bus_state = bus_state  # callable returning the bus's state dict, or None
+
+    def initial_record(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        acc = self.evaluator.accuracy()
+        return {
+            "step": self.learner.version,
+            "metrics": {"eval/accuracy": acc, "time/eval_s": time.perf_counter() - start},
+            "trained_ids": [],
+        }
+
+    def after_step(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Called after optimizer step; adds eval results, writes a checkpoint when due."""
+        t = self.ctx.cfg.trainer
+        version = self.learner.version
+        record["step"] = version
+        last = version >= t.steps
+        if last or (t.eval_every and version % t.eval_every == 0):
+            start = time.perf_counter()
+            record["metrics"]["eval/accuracy"] = self.evaluator.accuracy()
+            record["metrics"]["time/eval_s"] = time.perf_counter() - start
+        if last or (t.checkpoint_every and version % t.checkpoint_every == 0):
+            start = time.perf_counter()
+            extra = {"bus": self.bus_state() if self.bus_state else {}}
+            save_checkpoint(self.ctx.run_dir, version, self.learner, self.ctx.policy_dir, extra)
+            record["metrics"]["time/checkpoint_s"] = time.perf_counter() - start
+        return record

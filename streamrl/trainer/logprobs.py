@@ -1,0 +1,70 @@
+"""Per-token log-probs of responses under a model, laid out like the builtin engine's batches.
+
+Prompts are left-padded and responses right-padded, so every response starts at the same column
+and positions come from the attention mask exactly as during generation. The trainer, the
+reference role and the pi_old role all use this one function, which is what keeps trainer and
+rollout log-probs within floating-point noise of each other on identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """A padded batch: `input_ids_bt`, `attention_mask_bt`, and where the responses sit."""
+
+    input_ids_bt: torch.Tensor
+    attention_mask_bt: torch.Tensor
+    response_ids_br: torch.Tensor
+    response_mask_br: torch.Tensor
+    prompt_width: int
+
+
+def pack(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
+) -> PackedBatch:
+    num = len(prompts)
+    width_p = max(len(p) for p in prompts)
+    width_r = max(max((len(r) for r in responses), default=0), 1)
+    input_ids = torch.full((num, width_p + width_r), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((num, width_p + width_r), dtype=torch.long)
+    response_ids = torch.full((num, width_r), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((num, width_r))
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, width_p - len(p) : width_p] = _ids(p)
+        input_ids[i, width_p : width_p + len(r)] = _ids(r)
+        attention[i, width_p - len(p) : width_p + len(r)] = 1
+        response_ids[i, : len(r)] = _ids(r)
+        response_mask[i, : len(r)] = 1.0
+    return PackedBatch(input_ids, attention, response_ids, response_mask, width_p)
+
+
+def _ids(seq: Sequence[int]) -> torch.Tensor:
+    # A copy: arrays read from Ray's object store are read-only, which torch warns about.
+    return torch.tensor(np.asarray(seq, dtype=np.int64))
+
+
+def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs `[B, R]` of each response token (zeros on padding); keeps the autograd graph."""
+    position_ids = (batch.attention_mask_bt.cumsum(-1) - 1).clamp(min=0)
+    width_r = batch.response_ids_br.shape[1]
+    logits = model(
+        input_ids=batch.input_ids_bt,
+        attention_mask=batch.attention_mask_bt,
+        position_ids=position_ids,
+        use_cache=False,
+    ).logits
+    # The token at column c is predicted by the logits at column c - 1.
+    start = batch.prompt_width - 1
+    logits_br = logits[:, start : start + width_r, :].float()
+    if temperature > 0:
+        logits_br = logits_br / temperature
+    logp_brv = torch.log_softmax(logits_br, dim=-1)
+    logp_br = logp_brv.gather(-1, batch.response_ids_br.unsqueeze(-1)).squeeze(-1)
+    return logp_br * batch.response_mask_br

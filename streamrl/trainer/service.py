@@ -1,0 +1,181 @@
+"""The trainer role: trains batch k from whole groups as they complete, then publishes version k+1.
+
+Groups of batch k are claimed as soon as their advantages are ready and trained as micro-batches
+(gradient accumulation), so a slow group never holds back the rest. When all groups of batch k
+are in, one optimizer step makes version k+1, the weights go to the weight-sync service, and
+only then are the rows acknowledged. A sample staler than `max_staleness` (cannot happen under
+admission control, checked anyway) is dropped and counted, never trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from streamrl.api import fields as F
+from streamrl.metrics.stats import summarize
+
+CONSUMER = "trainer"
+TRAIN_FIELDS = [
+    F.PROMPT_IDS,
+    F.RESPONSE_IDS,
+    F.ROLLOUT_LOGPROBS,
+    F.VERSIONS,
+    F.FINISH_REASON,
+    F.REWARD,
+    F.REWARD_STATUS,
+    F.ADVANTAGES,
+]
+
+
+def samples_digest(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Order-free fingerprint of a step's samples (ids and sampled tokens), to compare runs."""
+    h = hashlib.sha256()
+    for sample_id, tokens in sorted(
+        (r["sample_id"], np.asarray(r[F.RESPONSE_IDS]).tolist()) for r in rows
+    ):
+        h.update(f"{sample_id}:{tokens};".encode())
+    return h.hexdigest()[:16]
+
+
+class BatchTrainer:
+    """Micro-batch accounting for one optimizer step; shared by the trainer role and the sync loop."""
+
+    def __init__(self, learner, *, skip_zero_advantage: bool, max_staleness: int | None):
+        self.learner = learner
+        self.skip_zero_advantage = skip_zero_advantage
+        self.max_staleness = max_staleness
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rows_seen: list[Mapping[str, Any]] = []
+        self.trained_ids: list[str] = []
+        self.dropped: Counter[str] = Counter()
+        self.busy_s = 0.0
+
+    def train_microbatch(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        start = time.perf_counter()
+        trainable, skipped_tokens = [], 0.0
+        for r in rows:
+            self.rows_seen.append(r)
+            if r[F.REWARD] is None:
+                self.dropped[str(r[F.REWARD_STATUS])] += 1
+                continue
+            staleness = (
+                self.learner.version - int(np.min(r[F.VERSIONS])) if len(r[F.VERSIONS]) else 0
+            )
+            if self.max_staleness is not None and staleness > self.max_staleness:
+                self.dropped["stale"] += 1
+                continue
+            self.trained_ids.append(r["sample_id"])
+            if self.skip_zero_advantage and float(r[F.ADVANTAGES]) == 0.0:
+                skipped_tokens += self._normaliser_share(r)
+            else:
+                trainable.append(r)
+        self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
+        self.busy_s += time.perf_counter() - start
+
+    def _normaliser_share(self, row: Mapping[str, Any]) -> float:
+        if self.learner.settings.loss_agg == "token_mean":
+            return float(len(row[F.RESPONSE_IDS]))
+        return 1.0
+
+    def finish(self) -> dict[str, Any]:
+        """Optimizer step; returns the step's metrics and the ids it trained."""
+        start = time.perf_counter()
+        out = self.learner.step()
+        self.busy_s += time.perf_counter() - start
+        rows = self.rows_seen
+        rewards = [float(r[F.REWARD]) for r in rows if r[F.REWARD] is not None]
+        staleness = [
+            self.learner.version - 1 - int(np.min(r[F.VERSIONS]))
+            for r in rows
+            if len(r[F.VERSIONS])
+        ]
+        lengths = [len(r[F.RESPONSE_IDS]) for r in rows]
+        metrics: dict[str, Any] = {f"train/{k}": v for k, v in out.items()}
+        reward = summarize(rewards)
+        metrics.update({"reward/mean": reward["mean"], "reward/std": reward["std"]})
+        metrics["response/length_mean"] = summarize(lengths)["mean"]
+        metrics["response/tokens"] = sum(lengths)
+        metrics["response/truncated_frac"] = sum(
+            r[F.FINISH_REASON] == "length" for r in rows
+        ) / max(len(rows), 1)
+        st = summarize(staleness)
+        metrics.update(
+            {"staleness/mean": st["mean"], "staleness/max": st["max"], "staleness/hist": staleness}
+        )
+        metrics["samples/trained"] = len(self.trained_ids)
+        metrics["samples/dropped"] = sum(self.dropped.values())
+        for reason, n in self.dropped.items():
+            metrics[f"samples/dropped_{reason}"] = n
+        metrics["samples/zero_advantage_frac"] = sum(
+            float(r[F.ADVANTAGES]) == 0.0 for r in rows
+        ) / max(len(rows), 1)
+        metrics["time/trainer_busy_s"] = self.busy_s
+        trained_ids = self.trained_ids
+        digest = samples_digest(rows)
+        self._reset()
+        return {"metrics": metrics, "trained_ids": trained_ids, "samples_digest": digest}
+
+
+class TrainerRole:
+    def __init__(
+        self,
+        bus,
+        weights,
+        batch_trainer: BatchTrainer,
+        *,
+        batch_prompts: int,
+        micro_batch_rows: int,
+        lease_s: float,
+        start_step: int = 0,
+    ):
+        self.bus = bus
+        self.weights = weights
+        self.trainer = batch_trainer
+        self.batch_prompts = batch_prompts
+        self.micro_batch_rows = micro_batch_rows
+        self.lease_s = lease_s
+        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
+        self.current = start_step
+        self._leases: list[str] = []
+        self._groups: set[str] = set()
+        self._step_started = time.perf_counter()
+
+    def step(self) -> dict[str, Any] | None:
+        """Train one ready micro-batch of the current batch; return a step record when the step
+        completed, else None (the caller checks `progressed` for whether any work was done)."""
+        self.progressed = False
+        lease = self.bus.claim(
+            CONSUMER,
+            TRAIN_FIELDS,
+            self.micro_batch_rows,
+            sampler="group",
+            where={"batch_index": ("==", self.current)},
+            lease_s=self.lease_s,
+            wait_s=self.claim_wait_s,
+        )
+        if lease is None:
+            return None
+        self.progressed = True
+        self._leases.append(lease.lease_id)
+        self._groups.update(r["group_id"] for r in lease.rows)
+        self.trainer.train_microbatch(lease.rows)
+        if len(self._groups) < self.batch_prompts:
+            return None
+        record = self.trainer.finish()
+        self.weights.publish(self.trainer.learner.version, self.trainer.learner.named_weights())
+        for lease_id in self._leases:
+            self.bus.ack(lease_id)
+        record["step"] = self.current
+        record["metrics"]["time/step_s"] = time.perf_counter() - self._step_started
+        self._step_started = time.perf_counter()
+        self._leases, self._groups = [], set()
+        self.current += 1
+        return record

@@ -1,0 +1,117 @@
+"""Weight-sync services: in-process (inline and sync modes) and through Ray's object store.
+
+Tensors are published in size-bounded buckets. In the Ray service the actor puts each bucket
+into the object store itself (so the objects outlive the trainer process) and keeps only the
+references; an engine that asks for a newer version gets the references and reads the buckets
+straight from the object store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def to_buckets(named_tensors: Mapping[str, Any], bucket_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Split tensors into dicts of numpy arrays of about `bucket_bytes` each (order kept)."""
+    buckets: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, tensor in named_tensors.items():
+        array = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
+        if size and size + array.nbytes > bucket_bytes:
+            buckets.append({})
+            size = 0
+        buckets[-1][name] = array
+        size += array.nbytes
+    return buckets
+
+
+class InProcessWeights:
+    """Holds the latest version in this process; engines in the same process share it."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._tensors: dict[str, Any] = {}
+        self.num_publishes = 0
+
+    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        if version <= self._version:
+            raise ValueError(
+                f"published version {version} is not newer than held version {self._version}"
+            )
+        self._version = version
+        self._tensors = {
+            k: v.detach().clone() if hasattr(v, "detach") else v for k, v in named_tensors.items()
+        }
+        self.num_publishes += 1
+
+    def latest_version(self) -> int:
+        return self._version
+
+    def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
+        if self._version <= have_version:
+            return None
+        return self._version, self._tensors
+
+
+class _WeightStoreActor:
+    """Ray actor body: the newest version and the object references of its buckets."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.refs: list[Any] = []
+
+    def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
+        import ray
+
+        if version > self.version:
+            # Put by the actor, so the actor owns the objects and they outlive the trainer.
+            self.refs = [ray.put(b) for b in buckets]
+            self.version = version
+
+    def get_if_newer(self, have_version: int) -> tuple[int, list[list[Any]]] | None:
+        if self.version <= have_version:
+            return None
+        return self.version, [[r] for r in self.refs]  # wrapped: Ray must not resolve them here
+
+    def latest_version(self) -> int:
+        return self.version
+
+
+class RayWeights:
+    """Client of the Ray weight store; cheap to pass to other actors (holds only a handle)."""
+
+    def __init__(self, handle, bucket_bytes: int = 64 * 2**20):
+        self.handle = handle
+        self.bucket_bytes = bucket_bytes
+
+    @classmethod
+    def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
+        import ray
+
+        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
+        return cls(actor, bucket_bytes)
+
+    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        import ray
+
+        ray.get(self.handle.set.remote(version, to_buckets(named_tensors, self.bucket_bytes)))
+
+    def latest_version(self) -> int:
+        import ray
+
+        return ray.get(self.handle.latest_version.remote())
+
+    def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
+        import ray
+
+        found = ray.get(self.handle.get_if_newer.remote(have_version))
+        if found is None:
+            return None
+        version, holders = found
+        tensors: dict[str, Any] = {}
+        for bucket in ray.get([h[0] for h in holders]):
+            tensors.update(bucket)
+        return version, tensors

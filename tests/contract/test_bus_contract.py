@@ -1,0 +1,640 @@
+"""Contract suite for ``streamrl.api.bus.Bus``: every implementation must pass every test.
+
+Each test runs against ``LocalBus`` ("local") and ``RayBus`` over a live local Ray instance
+("ray"). Ray is started once for the module, only if a "ray" case runs. Tests at the end cover
+what only the Ray bus promises (payload ownership, pickling the client).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from streamrl.api.bus import Bus, BusFullError, UnknownSampleError
+from streamrl.bus import LocalBus, make_bus
+
+LEASE_S = 0.25  # short leases for expiry tests; the sleep after is LEASE_S + margin
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Bus]]:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    created: list[Bus] = []
+
+    def factory(**kwargs: Any) -> Bus:
+        bus = make_bus(request.param, **kwargs)
+        created.append(bus)
+        return bus
+
+    yield factory
+    for bus in created:
+        bus.close()
+
+
+@pytest.fixture
+def bus(make: Callable[..., Bus]) -> Bus:
+    bus = make()
+    bus.register_consumer("trainer")
+    return bus
+
+
+def group_rows(
+    group_id: str, size: int, *, batch_index: int = 0, fields: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "sample_id": f"{group_id}/{i}",
+            "group_id": group_id,
+            "group_size": size,
+            "batch_index": batch_index,
+            "fields": dict(fields or {}),
+        }
+        for i in range(size)
+    ]
+
+
+def ids(lease: Any) -> list[str]:
+    assert lease is not None
+    return [row["sample_id"] for row in lease.rows]
+
+
+# -- basics --------------------------------------------------------------------------------
+
+
+def test_implements_protocol(bus: Bus) -> None:
+    assert isinstance(bus, Bus)
+
+
+def test_claim_returns_meta_and_requested_fields_only(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2, batch_index=3, fields={"prompt_ids": [1, 2], "extra": 7}))
+    lease = bus.claim("trainer", ["prompt_ids"], 10)
+    assert lease is not None and lease.consumer == "trainer"
+    assert lease.rows == [
+        {
+            "sample_id": "g/0",
+            "group_id": "g",
+            "group_size": 2,
+            "batch_index": 3,
+            "prompt_ids": [1, 2],
+        },
+        {
+            "sample_id": "g/1",
+            "group_id": "g",
+            "group_size": 2,
+            "batch_index": 3,
+            "prompt_ids": [1, 2],
+        },
+    ]
+    assert abs(lease.expires_at - (time.monotonic() + 60.0)) < 5.0
+
+
+def test_batch_index_defaults_to_zero(bus: Bus) -> None:
+    bus.add_rows([{"sample_id": "s", "group_id": "g", "group_size": 1}])
+    lease = bus.claim("trainer", [], 1)
+    assert lease is not None and lease.rows[0]["batch_index"] == 0
+
+
+def test_claim_returns_none_when_fields_missing(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    assert bus.claim("trainer", ["reward"], 10) is None
+
+
+def test_fifo_respects_max_rows_and_creation_order(bus: Bus) -> None:
+    bus.add_rows(group_rows("a", 3))
+    bus.add_rows(group_rows("b", 3))
+    assert ids(bus.claim("trainer", [], 4)) == ["a/0", "a/1", "a/2", "b/0"]
+    assert ids(bus.claim("trainer", [], 4)) == ["b/1", "b/2"]
+    assert bus.claim("trainer", [], 4) is None
+
+
+def test_max_rows_must_be_positive(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="max_rows"):
+        bus.claim("trainer", [], 0)
+
+
+# -- consumers -------------------------------------------------------------------------------
+
+
+def test_unknown_consumer_is_rejected(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    with pytest.raises(ValueError, match="unknown consumer 'critic'"):
+        bus.claim("critic", [], 1)
+
+
+def test_register_consumer_is_idempotent(bus: Bus) -> None:
+    bus.register_consumer("trainer")
+    bus.add_rows(group_rows("g", 1))
+    bus.ack(bus.claim("trainer", [], 1).lease_id)
+    assert bus.stats()["rows_live"] == 0
+
+
+def test_add_rows_needs_a_consumer(make: Callable[..., Bus]) -> None:
+    bus = make()
+    with pytest.raises(ValueError, match="register_consumer"):
+        bus.add_rows(group_rows("g", 1))
+
+
+def test_row_freed_only_when_every_consumer_registered_at_add_time_acked(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 1))
+    bus.register_consumer("late")  # registered after the row: neither sees it nor blocks it
+    assert bus.claim("late", [], 1) is None
+    bus.ack(bus.claim("trainer", [], 1).lease_id)
+    assert bus.stats()["rows_live"] == 1
+    bus.ack(bus.claim("reward", [], 1).lease_id)
+    stats = bus.stats()
+    assert (stats["rows_live"], stats["rows_freed"], stats["groups_live"]) == (0, 1, 0)
+    assert stats["acked"] == {"trainer": 1, "reward": 1, "late": 0}
+
+
+def test_consumers_are_independent(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 2, fields={"response_ids": [5]}))
+    reward = bus.claim("reward", ["response_ids"], 10)
+    trainer = bus.claim("trainer", ["response_ids"], 10)
+    assert ids(reward) == ids(trainer) == ["g/0", "g/1"]
+    bus.ack(trainer.lease_id)
+    assert bus.claim("trainer", [], 10) is None
+    assert bus.claim("reward", [], 10) is None  # still leased to reward
+
+
+# -- add_rows --------------------------------------------------------------------------------
+
+
+def test_readding_a_live_row_is_a_noop(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1, fields={"prompt_ids": [1]}))
+    bus.add_rows(group_rows("g", 1, fields={"prompt_ids": [9]}))
+    stats = bus.stats()
+    assert (stats["rows_added"], stats["rows_live"], stats["duplicate_adds"]) == (1, 1, 1)
+    assert bus.claim("trainer", ["prompt_ids"], 5).rows[0]["prompt_ids"] == [1]
+
+
+def test_readding_a_freed_row_is_a_noop(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    bus.ack(bus.claim("trainer", [], 1).lease_id)
+    bus.add_rows(group_rows("g", 1))
+    assert bus.claim("trainer", [], 1) is None
+    assert bus.stats()["rows_live"] == 0
+
+
+@pytest.mark.parametrize("change", [{"group_id": "other"}, {"batch_index": 5}])
+def test_readding_with_different_meta_raises(bus: Bus, change: dict[str, Any]) -> None:
+    bus.add_rows(group_rows("g", 1))
+    with pytest.raises(ValueError, match="re-added"):
+        bus.add_rows([{**group_rows("g", 1)[0], **change}])
+
+
+def test_group_size_must_agree_within_a_group(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2)[:1])
+    with pytest.raises(ValueError, match="group_size"):
+        bus.add_rows([{"sample_id": "g/1", "group_id": "g", "group_size": 3}])
+
+
+def test_capacity_backpressure(make: Callable[..., Bus]) -> None:
+    bus = make(capacity_groups=2)
+    bus.register_consumer("trainer")
+    bus.add_rows(group_rows("a", 2) + group_rows("b", 2))
+    assert bus.num_groups_live() == 2
+    assert not bus.can_add(1)
+    with pytest.raises(BusFullError):
+        # One row joins a live group, one opens a third group: the whole call is refused.
+        bus.add_rows(
+            [
+                {"sample_id": "a/9", "group_id": "a", "group_size": 2},
+                {"sample_id": "c/0", "group_id": "c", "group_size": 1},
+            ]
+        )
+    assert bus.stats()["rows_added"] == 4
+    bus.add_rows([{"sample_id": "a/9", "group_id": "a", "group_size": 2}])  # no new group: fits
+    lease = bus.claim("trainer", [], 10, where={"group_id": ("==", "a")})
+    bus.ack(lease.lease_id)
+    assert bus.num_groups_live() == 1
+    assert bus.can_add(1) and not bus.can_add(2)
+    bus.add_rows(group_rows("c", 1))
+    assert bus.num_groups_live() == 2
+
+
+# -- write -----------------------------------------------------------------------------------
+
+
+def test_fields_written_in_any_order_by_any_role(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    bus.write({"g/0": {"reward": 1.0}})
+    assert bus.claim("trainer", ["response_ids", "reward"], 1) is None
+    bus.write({"g/0": {"response_ids": [3, 4]}})
+    lease = bus.claim("trainer", ["response_ids", "reward"], 1)
+    assert lease.rows[0]["reward"] == 1.0 and lease.rows[0]["response_ids"] == [3, 4]
+
+
+def test_duplicate_write_keeps_first_value(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    bus.write({"g/0": {"reward": 1.0}})
+    bus.write({"g/0": {"reward": 0.0, "advantages": [0.5]}})
+    lease = bus.claim("trainer", ["reward", "advantages"], 1)
+    assert lease.rows[0]["reward"] == 1.0 and lease.rows[0]["advantages"] == [0.5]
+    assert bus.stats()["duplicate_writes"] == 1
+
+
+def test_write_to_freed_row_is_ignored_and_counted(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    bus.ack(bus.claim("trainer", [], 1).lease_id)
+    bus.write({"g/0": {"reward": 1.0, "x": 2}})
+    stats = bus.stats()
+    assert stats["late_writes"] == 2 and stats["rows_live"] == 0
+
+
+def test_write_to_unknown_sample_raises_and_writes_nothing(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    with pytest.raises(UnknownSampleError, match="nope"):
+        bus.write({"g/0": {"reward": 1.0}, "nope": {"reward": 2.0}})
+    assert bus.claim("trainer", ["reward"], 1) is None
+
+
+def test_reserved_field_names_are_rejected(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    with pytest.raises(ValueError, match="reserved"):
+        bus.write({"g/0": {"group_id": "x"}})
+
+
+def test_tensor_values_round_trip(bus: Bus) -> None:
+    logprobs = torch.linspace(-2.0, 0.0, 5)
+    ids_ = np.arange(7, dtype=np.int64)
+    bus.add_rows(group_rows("g", 1, fields={"prompt_ids": ids_}))
+    bus.write({"g/0": {"rollout_logprobs": logprobs}})
+    row = bus.claim("trainer", ["prompt_ids", "rollout_logprobs"], 1).rows[0]
+    assert torch.equal(row["rollout_logprobs"], logprobs)
+    np.testing.assert_array_equal(row["prompt_ids"], ids_)
+
+
+# -- leases ----------------------------------------------------------------------------------
+
+
+def test_leased_rows_are_not_claimed_twice_by_one_consumer(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    first = bus.claim("trainer", [], 1)
+    assert ids(bus.claim("trainer", [], 5)) == ["g/1"]
+    assert bus.claim("trainer", [], 5) is None
+    assert ids(first) == ["g/0"]
+    assert bus.stats()["leases_open"] == 2
+
+
+def test_release_makes_rows_claimable_at_once(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    lease = bus.claim("trainer", [], 5)
+    bus.release(lease.lease_id)
+    assert ids(bus.claim("trainer", [], 5)) == ["g/0", "g/1"]
+    assert bus.stats()["acked"]["trainer"] == 0
+
+
+def test_partial_ack_returns_the_rest(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 3))
+    lease = bus.claim("trainer", [], 5)
+    bus.ack(lease.lease_id, ["g/1"])
+    assert ids(bus.claim("trainer", [], 5)) == ["g/0", "g/2"]
+    assert bus.stats()["acked"]["trainer"] == 1
+
+
+def test_ack_of_rows_outside_the_lease_raises(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    lease = bus.claim("trainer", [], 1)
+    with pytest.raises(ValueError, match="does not hold"):
+        bus.ack(lease.lease_id, ["g/1"])
+
+
+def test_ack_is_idempotent(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 2))
+    lease = bus.claim("trainer", [], 5)
+    bus.ack(lease.lease_id)
+    bus.ack(lease.lease_id)  # a retried ack call
+    bus.ack(lease.lease_id, ["g/0"])
+    stats = bus.stats()
+    assert stats["acked"]["trainer"] == 2 and stats["rows_live"] == 2
+
+
+@pytest.mark.parametrize("method", ["ack", "release", "renew"])
+def test_unknown_lease_raises(bus: Bus, method: str) -> None:
+    with pytest.raises(ValueError, match="unknown lease"):
+        getattr(bus, method)("no-such-lease")
+
+
+def test_expired_lease_makes_rows_claimable_again(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    lease = bus.claim("trainer", [], 5, lease_s=LEASE_S)
+    assert bus.claim("trainer", [], 5) is None
+    time.sleep(LEASE_S + 0.15)
+    again = bus.claim("trainer", [], 5)
+    assert ids(again) == ids(lease)
+    stats = bus.stats()
+    assert stats["expired_leases"] == 1 and stats["leases_open"] == 1
+
+
+def test_ack_of_expired_lease_is_accepted(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    slow = bus.claim("trainer", [], 5, lease_s=LEASE_S)
+    time.sleep(LEASE_S + 0.15)
+    retry = bus.claim("trainer", [], 1)  # re-claims g/0 after the expiry
+    bus.ack(slow.lease_id)  # the slow holder finishes after all: both rows consumed
+    assert bus.stats()["rows_live"] == 0
+    bus.ack(retry.lease_id)  # the second holder's ack is a no-op
+    stats = bus.stats()
+    assert stats["acked"]["trainer"] == 2 and stats["rows_freed"] == 2
+
+
+def test_renew_extends_the_lease(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    lease = bus.claim("trainer", [], 5, lease_s=LEASE_S)
+    bus.renew(lease.lease_id, lease_s=30.0)
+    time.sleep(LEASE_S + 0.15)
+    assert bus.claim("trainer", [], 5) is None
+    assert bus.stats()["expired_leases"] == 0
+    bus.ack(lease.lease_id)
+    assert bus.stats()["rows_live"] == 0
+
+
+def test_renew_of_a_closed_lease_raises(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    lease = bus.claim("trainer", [], 5)
+    bus.release(lease.lease_id)
+    with pytest.raises(ValueError, match="no longer open"):
+        bus.renew(lease.lease_id)
+
+
+# -- claim filters and samplers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "value", "expected"),
+    [
+        ("==", 2, ["b2/0"]),
+        ("<=", 2, ["b1/0", "b2/0"]),
+        ("<", 2, ["b1/0"]),
+        (">=", 2, ["b2/0", "b3/0"]),
+        (">", 2, ["b3/0"]),
+    ],
+)
+def test_where_filters_on_meta(bus: Bus, op: str, value: int, expected: list[str]) -> None:
+    for batch_index in (1, 2, 3):
+        bus.add_rows(group_rows(f"b{batch_index}", 1, batch_index=batch_index))
+    assert ids(bus.claim("trainer", [], 10, where={"batch_index": (op, value)})) == expected
+
+
+def test_where_rejects_unknown_keys_and_ops(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    with pytest.raises(ValueError, match="not row meta"):
+        bus.claim("trainer", [], 1, where={"reward": ("==", 1)})
+    with pytest.raises(ValueError, match="unknown op"):
+        bus.claim("trainer", [], 1, where={"batch_index": ("!=", 1)})
+
+
+def test_unknown_sampler_lists_valid_names(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="'fifo'.*'group'"):
+        bus.claim("trainer", [], 1, sampler="random")
+
+
+def test_bad_sampler_options_raise(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        bus.claim("trainer", [], 1, sampler="token_budget")
+
+
+def test_group_sampler_waits_for_every_row_of_the_group(bus: Bus) -> None:
+    bus.add_rows(group_rows("a", 2) + group_rows("b", 3)[:2])  # b: 2 of 3 rows added yet
+    bus.write({"a/0": {"reward": 1.0}})
+    assert bus.claim("trainer", ["reward"], 10, sampler="group") is None
+    bus.write({"a/1": {"reward": 0.0}, "b/0": {"reward": 1.0}, "b/1": {"reward": 1.0}})
+    assert ids(bus.claim("trainer", ["reward"], 10, sampler="group")) == ["a/0", "a/1"]
+    bus.add_rows(group_rows("b", 3)[2:])
+    bus.write({"b/2": {"reward": 0.5}})
+    assert ids(bus.claim("trainer", ["reward"], 10, sampler="group")) == ["b/0", "b/1", "b/2"]
+
+
+def test_group_sampler_serves_the_rest_of_a_partly_acked_group(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 3))
+    lease = bus.claim("trainer", [], 10, sampler="group")
+    bus.ack(lease.lease_id, ["g/0"])
+    assert ids(bus.claim("trainer", [], 10, sampler="group")) == ["g/1", "g/2"]
+
+
+def test_group_sampler_does_not_split_a_group_held_by_another_lease(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    bus.claim("trainer", [], 1)  # fifo takes g/0
+    assert bus.claim("trainer", [], 10, sampler="group") is None
+
+
+def test_oldest_version_sampler(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 3))
+    bus.write(
+        {
+            "g/0": {"versions": np.array([5, 6])},
+            "g/1": {"versions": torch.tensor([2, 7])},
+            "g/2": {"versions": [4, 3]},
+        }
+    )
+    lease = bus.claim("trainer", [], 2, sampler="oldest_version")
+    assert ids(lease) == ["g/1", "g/2"]
+
+
+def test_token_budget_sampler(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 4, fields={"prompt_ids": [0] * 3}))
+    bus.write({f"g/{i}": {"response_ids": [1] * 2} for i in range(4)})
+    lease = bus.claim(
+        "trainer", ["response_ids"], 10, sampler="token_budget", sampler_options={"max_tokens": 12}
+    )
+    assert ids(lease) == ["g/0", "g/1"]  # 5 tokens each
+
+
+def test_group_token_budget_sampler(bus: Bus) -> None:
+    bus.add_rows(group_rows("a", 2, fields={"prompt_ids": [0] * 4}))
+    bus.add_rows(group_rows("b", 2, fields={"prompt_ids": [0] * 4}))
+    options = {"max_tokens": 12}
+    lease = bus.claim("trainer", [], 10, sampler="group_token_budget", sampler_options=options)
+    assert ids(lease) == ["a/0", "a/1"]
+
+
+# -- drop, stats, checkpoints, close ---------------------------------------------------------
+
+
+def test_drop_frees_rows_for_everyone(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 3))
+    lease = bus.claim("reward", [], 10)
+    bus.drop(["g/0", "g/1"], "stale")
+    bus.drop(["g/0"], "stale")  # already freed: nothing more to count
+    assert ids(bus.claim("trainer", [], 10)) == ["g/2"]
+    bus.ack(lease.lease_id)  # acking a lease whose rows were dropped is fine
+    stats = bus.stats()
+    assert stats["dropped"] == {"stale": 2}
+    assert stats["rows_freed"] == 2 and stats["rows_live"] == 1
+    with pytest.raises(UnknownSampleError):
+        bus.drop(["never"], "stale")
+
+
+def test_stats_has_every_counter(bus: Bus) -> None:
+    expected = {
+        "rows_live",
+        "groups_live",
+        "rows_added",
+        "rows_freed",
+        "acked",
+        "dropped",
+        "duplicate_adds",
+        "duplicate_writes",
+        "late_writes",
+        "expired_leases",
+        "leases_open",
+    }
+    assert set(bus.stats()) == expected
+
+
+def test_state_dict_round_trip_recognises_consumed_ids(make: Callable[..., Bus]) -> None:
+    bus = make()
+    bus.register_consumer("trainer")
+    bus.add_rows(group_rows("g", 2))
+    bus.ack(bus.claim("trainer", [], 1).lease_id)
+    state = json.loads(json.dumps(bus.state_dict()))
+    assert state["freed"] == ["g/0"]
+
+    resumed = make()
+    resumed.register_consumer("reward")  # a role that registered before the state was loaded
+    resumed.load_state_dict(state)
+    resumed.add_rows(group_rows("g", 2))  # the feeder regenerates the in-flight group
+    lease = resumed.claim("trainer", [], 10)
+    assert ids(lease) == ["g/1"]
+    resumed.ack(lease.lease_id)
+    resumed.ack(resumed.claim("reward", [], 10).lease_id)
+    stats = resumed.stats()
+    assert stats["acked"] == {"trainer": 2, "reward": 1}
+    assert (stats["rows_added"], stats["rows_freed"]) == (3, 2)
+    resumed.add_rows(group_rows("h", 1))
+    with pytest.raises(ValueError, match="live rows"):
+        resumed.load_state_dict(state)
+
+
+def test_close_is_idempotent_and_final(make: Callable[..., Bus]) -> None:
+    bus = make()
+    bus.register_consumer("trainer")
+    bus.close()
+    bus.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        bus.stats()
+
+
+# -- Ray only ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_bus(ray_cluster: None) -> Iterator[Any]:
+    from streamrl.bus.ray_bus import RayBus
+
+    bus = RayBus.create()
+    bus.register_consumer("trainer")
+    yield bus
+    bus.close()
+
+
+def test_ray_bus_pickles_to_a_handle_and_works_from_a_task(ray_bus: Any) -> None:
+    import ray
+
+    assert len(pickle.dumps(ray_bus)) < 2_000
+
+    # Remote code must not use this module's globals: workers cannot import test modules.
+    row = group_rows("g", 1, fields={"prompt_ids": torch.arange(4)})[0]
+
+    @ray.remote(num_cpus=0)
+    def feeder(bus: Bus) -> None:
+        bus.add_rows([row])
+
+    ray.get(feeder.remote(ray_bus))
+    lease = ray_bus.claim("trainer", ["prompt_ids"], 1)
+    assert torch.equal(lease.rows[0]["prompt_ids"], torch.arange(4))
+
+
+def test_ray_field_values_survive_the_writer(ray_bus: Any) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def write(self, bus: Bus, rows: list[dict[str, Any]]) -> None:
+            bus.add_rows(rows)
+            bus.write({"g/0": {"response_ids": np.arange(100_000)}})  # large: in the store
+
+    writer = Writer.remote()
+    ray.get(writer.write.remote(ray_bus, group_rows("g", 1)))
+    ray.kill(writer)
+    time.sleep(0.5)
+    lease = ray_bus.claim("trainer", ["response_ids"], 1)
+    np.testing.assert_array_equal(lease.rows[0]["response_ids"], np.arange(100_000))
+
+
+def test_ray_attached_client_close_only_detaches(ray_bus: Any) -> None:
+    from streamrl.bus.ray_bus import RayBus
+
+    attached = RayBus.from_handle(ray_bus.handle)
+    attached.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        attached.stats()
+    assert ray_bus.stats()["rows_live"] == 0
+
+
+def test_local_bus_handles_many_rows_quickly() -> None:
+    bus = LocalBus()
+    bus.register_consumer("trainer")
+    bus.register_consumer("reward")
+    for g in range(2_500):
+        bus.add_rows(group_rows(f"g{g}", 4, fields={"prompt_ids": [1, 2, 3]}))
+    start = time.perf_counter()
+    for _ in range(100):
+        bus.ack(bus.claim("trainer", ["prompt_ids"], 64).lease_id)
+    assert time.perf_counter() - start < 2.0
+    assert bus.stats()["acked"]["trainer"] == 6_400
+
+
+def _num_store_objects() -> int:
+    # Ray has no public API for object-store usage; this private one is stable in the pinned Ray.
+    from ray._private.internal_api import memory_summary
+
+    match = re.search(
+        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
+    )
+    assert match is not None
+    return int(match.group(1))
+
+
+def _wait_for_store_objects(expected: int, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (count := _num_store_objects()) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return count
+
+
+def test_ray_payload_is_freed_with_its_rows(ray_bus: Any) -> None:
+    baseline = _wait_for_store_objects(0)
+    big = {"response_ids": np.zeros(1_000_000)}  # 8 MB: lives in the object store
+    ray_bus.add_rows(group_rows("g", 2))
+    ray_bus.write({"g/0": big, "g/1": big})  # one payload shared by both rows
+    assert _wait_for_store_objects(baseline + 1) == baseline + 1
+    lease = ray_bus.claim("trainer", ["response_ids"], 1)
+    ray_bus.ack(lease.lease_id)
+    del lease
+    time.sleep(0.5)
+    assert _num_store_objects() == baseline + 1  # g/1 still references the payload
+    ray_bus.drop(["g/1"], "test")
+    assert _wait_for_store_objects(baseline) == baseline
