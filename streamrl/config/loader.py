@@ -80,8 +80,13 @@ def _check_key(dotted: str) -> None:
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node = data
     parts = dotted.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
+    for i, part in enumerate(parts[:-1]):
+        if node.get(part) is None:  # absent, or a section left empty in a YAML file
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"cannot set {dotted!r}: {where!r} holds {node!r}, not a section")
     node[parts[-1]] = value
 
 
@@ -130,7 +135,9 @@ def dump_yaml(config: Config) -> str:
             if field.description:
                 for doc_line in field.description.split("\n"):
                     out.append(f"  # {doc_line.strip()}")
-            value = yaml.safe_dump(getattr(section, name), default_flow_style=True).strip()
+            value = yaml.safe_dump(
+                getattr(section, name), default_flow_style=True, width=float("inf")
+            ).strip()
             value = value.removesuffix("\n...").removesuffix("...").strip()
             out.append(f"  {name}: {value}")
         out.append("")

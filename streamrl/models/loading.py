@@ -25,7 +25,9 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
     """Return the causal LM in `model_dir` on CPU, in `dtype`, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     _check_dir(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), local_files_only=True, dtype=getattr(torch, dtype)

@@ -2,9 +2,9 @@
 
 A reward function is user code and sees untrusted model output: it may raise, hang or eat memory.
 The scorer starts `python -m streamrl.reward.worker` (its own interpreter: nothing of the
-caller's main module runs there), sends a batch as JSON lines over its stdin and waits for each
-result at most `timeout_s`. A worker that overruns is killed and restarted, its sample marked
-`timeout`, and the rest of the batch resent. An exception inside the function comes back as
+caller's main module runs there), sends each task as a JSON line over its stdin and waits for
+the result at most `timeout_s`. A worker that overruns is killed and restarted and its sample
+marked `timeout`. An exception inside the function comes back as
 `infra_error`. JSON, not pickle, crosses the pipe.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 from streamrl.api.reward import RewardResult
 
-# A fresh worker imports the reward's module before its first answer; allow that on top.
-_STARTUP_GRACE_S = 30.0
+# How long a new worker may take to import the reward's module.
+_STARTUP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,6 @@ class SandboxedScorer:
         self.num_restarts = 0
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
-        self._fresh = True
 
     def _start(self) -> None:
         cmd = [
@@ -57,7 +56,14 @@ class SandboxedScorer:
         ]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self._buffer = b""
-        self._fresh = True
+        # The worker says "ready" once it has imported the reward function; only then do
+        # per-task timeouts start, so a slow import is never mistaken for a hanging reward.
+        ready = self._read_line(_STARTUP_TIMEOUT_S)
+        if ready != b"ready":
+            self._kill()
+            raise RuntimeError(
+                f"reward worker for {self.fn_path!r} did not start within {_STARTUP_TIMEOUT_S}s"
+            )
 
     def _kill(self) -> None:
         if self._proc is not None:
@@ -82,33 +88,26 @@ class SandboxedScorer:
         return line
 
     def score(self, tasks: Sequence[ScoreTask]) -> list[RewardResult]:
+        """Score `tasks` in order. One task is in the pipe at a time, so neither pipe can fill
+        up, and each task gets exactly `timeout_s`."""
         results: list[RewardResult] = []
-        pending = list(tasks)
-        while pending:
+        for task in tasks:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             assert self._proc is not None and self._proc.stdin is not None
             try:
-                self._proc.stdin.write(
-                    b"".join(json.dumps(asdict(t)).encode() + b"\n" for t in pending)
-                )
+                self._proc.stdin.write(json.dumps(asdict(task)).encode() + b"\n")
+                line = self._read_line(self.timeout_s)
             except BrokenPipeError:
+                line = None
+            if line is None:
+                died = self._proc.poll() is not None
+                reason = "reward worker died" if died else f"reward took over {self.timeout_s}s"
+                results.append(RewardResult(None, "infra_error" if died else "timeout", reason))
                 self._kill()
                 continue
-            for i, _ in enumerate(pending):
-                line = self._read_line(self.timeout_s + (_STARTUP_GRACE_S if self._fresh else 0.0))
-                if line is None:
-                    died = self._proc.poll() is not None
-                    reason = "reward worker died" if died else f"reward took over {self.timeout_s}s"
-                    results.append(RewardResult(None, "infra_error" if died else "timeout", reason))
-                    self._kill()
-                    pending = pending[i + 1 :]
-                    break
-                self._fresh = False
-                value, status, reason = json.loads(line)
-                results.append(RewardResult(value, status, reason))
-            else:
-                pending = []
+            value, status, reason = json.loads(line)
+            results.append(RewardResult(value, status, reason))
         return results
 
     def close(self) -> None:

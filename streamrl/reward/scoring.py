@@ -31,6 +31,8 @@ def to_result(value: Any) -> RewardResult:
     """Normalise a reward function's return value; anything unusable is an infra_error, never 0."""
     if isinstance(value, RewardResult):
         return value
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy or torch scalar
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return RewardResult(
             None, "infra_error", f"reward returned {type(value).__name__}, not a number"

@@ -20,6 +20,8 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     fn = resolve_callable(fn_path)
     out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
     for line in sys.stdin.buffer:
         task = json.loads(line)
         try:

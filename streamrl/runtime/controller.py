@@ -28,11 +28,10 @@ from streamrl.metrics import (
 )
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+from streamrl.trainer.hooks import SAMPLES_LOG
 from streamrl.trainer.sft import ensure_policy_dir
 
 log = logging.getLogger(__name__)
-
-SAMPLES_LOG = "trained_samples.jsonl"
 
 
 class RecordSink:
@@ -41,7 +40,6 @@ class RecordSink:
     def __init__(self, run_dir: Path, tracker: MetricsTracker, progress: RunProgress):
         self.tracker = tracker
         self.progress = progress
-        self.samples = (run_dir / SAMPLES_LOG).open("a")
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self.total_tokens = 0
@@ -76,13 +74,7 @@ class RecordSink:
                     self.dropped[reason] = self.dropped.get(reason, 0) + int(value)
         self._last_time = now
         self.tracker.log(step, metrics)
-        line = {"step": step, "ids": record["trained_ids"], "digest": record.get("samples_digest")}
-        self.samples.write(json.dumps(line) + "\n")
-        self.samples.flush()
         self.progress.update(step, metrics)
-
-    def close(self) -> None:
-        self.samples.close()
 
 
 def truncate_samples_log(run_dir: Path, from_step: int) -> None:
@@ -132,11 +124,9 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             description=f"RL ({cfg.runtime.mode})",
         )
         sink = RecordSink(run_dir, tracker, progress)
-        rl_started = time.time()
         with progress:
             role_stats = _run_mode(ctx, sink, start_step)
-        rl_wall = time.time() - rl_started
-        sink.close()
+        rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
         tracker.close()
     finally:
         memory.stop()
@@ -191,6 +181,7 @@ def _summary(
         "resumed_from_step": start_step,
         "wall_time_s": time.time() - started,
         "rl_wall_time_s": rl_wall,
+        "rl_steps_per_s": (cfg.trainer.steps - start_step) / max(rl_wall, 1e-9),
         "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
         "peak_memory_bytes": peak_bytes,
         "num_samples_dropped": dict(sink.dropped),

@@ -8,12 +8,13 @@ between steps (and sleeping briefly when its role found nothing to do).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 from streamrl.bus.local import LocalBus
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import CONSUMERS, build_role, bus_capacity_groups
+from streamrl.runtime.roles import active_roles, build_role, bus_capacity_groups
 from streamrl.weights.dcs import InProcessWeights
 
 
@@ -25,13 +26,15 @@ def run_inline(
 
 async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
     bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
-    for consumer in CONSUMERS:
+    consumers = active_roles(ctx)
+    for consumer in consumers:
         bus.register_consumer(consumer)
     weights = InProcessWeights()
     trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)
     others = {
         name: build_role(name, ctx, bus, weights, start_step=start_step)
-        for name in ("feeder", "rollout", "reward", "advantage")
+        for name in ("feeder", *consumers)
+        if name != "trainer"
     }
     poll_s = ctx.cfg.runtime.poll_s
 
@@ -51,6 +54,7 @@ async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
 
     for record in trainer.drain():
         on_record(record)
+    started = time.perf_counter()
     try:
         await asyncio.gather(train_loop(), *(loop(r) for r in others.values()))
     finally:
@@ -58,4 +62,5 @@ async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
     stats = {name: role.stats() for name, role in others.items()}
     stats["trainer"] = trainer.stats()
     stats["bus"] = bus.stats()
+    stats["train_wall_s"] = time.perf_counter() - started
     return stats

@@ -29,11 +29,18 @@ from typing import Any
 import ray
 
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import CONSUMERS, bus_capacity_groups
+from streamrl.runtime.roles import active_roles, bus_capacity_groups
 
 log = logging.getLogger(__name__)
 
-ROLE_THREADS = {"rollout": 1, "trainer": 1, "reward": 1, "advantage": 1, "feeder": 1}
+ROLE_THREADS = {
+    "rollout": 1,
+    "trainer": 1,
+    "reward": 1,
+    "advantage": 1,
+    "reference": 1,
+    "feeder": 1,
+}
 
 
 class RoleActor:
@@ -115,11 +122,11 @@ def run_ray(
     ensure_ray(ctx)
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
     bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx))
-    for consumer in CONSUMERS:
+    for consumer in active_roles(ctx):
         bus.register_consumer(consumer)
     weights = RayWeights.create()
     actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(RoleActor)
-    names = ("trainer", "rollout", "reward", "advantage", "feeder")
+    names = ("trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder")
     actors = {
         n: actor_cls.options(name=None).remote(
             n,
@@ -133,6 +140,7 @@ def run_ray(
     }
     ray.get([a.ready.remote() for a in actors.values()])
     log.info("roles started in %.1fs", time.perf_counter() - t0)
+    loop_started = time.perf_counter()
     runs = {n: a.run.remote() for n, a in actors.items()}
     trainer = actors["trainer"]
     try:
@@ -146,8 +154,10 @@ def run_ray(
                 break
         for record in ray.get(trainer.drain.remote()):
             on_record(record)
+        train_wall_s = time.perf_counter() - loop_started
         stats = {n: ray.get(a.stats.remote()) for n, a in actors.items()}
         stats["bus"] = bus.stats()
+        stats["train_wall_s"] = train_wall_s
         log.info("training done at %.1fs", time.perf_counter() - t0)
     finally:
         for a in actors.values():

@@ -23,6 +23,11 @@ from streamrl.trainer.service import TrainerRole
 CONSUMERS = ("rollout", "reward", "advantage", "trainer")
 
 
+def active_roles(ctx: RunContext) -> tuple[str, ...]:
+    """The consuming roles of this run: the reference role only when the loss has a KL term."""
+    return CONSUMERS + (("reference",) if ctx.cfg.algorithm.kl_coef > 0 else ())
+
+
 class FeederRole:
     """Adds one batch of prompt groups whenever the bus has room (capacity backpressure)."""
 
@@ -93,13 +98,26 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_rows=group_rows,
             lease_s=rt.lease_s,
         )
+    if name == "reference":
+        from streamrl.models.loading import load_causal_lm
+        from streamrl.reference.service import ReferenceRole
+
+        model = load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype)
+        return ReferenceRole(
+            bus,
+            model,
+            pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
+            temperature=cfg.rollout.temperature,
+            max_rows=group_rows,
+            lease_s=rt.lease_s,
+        )
     if name == "advantage":
         return AdvantageRole(
             bus, std_eps=cfg.algorithm.std_eps, max_rows=group_rows, lease_s=rt.lease_s
         )
     if name == "trainer":
         return build_trainer(ctx, bus, weights, start_step=start_step, checkpoint=ctx.checkpoint)
-    raise ValueError(f"unknown role {name!r}; roles: feeder, {', '.join(CONSUMERS)}")
+    raise ValueError(f"unknown role {name!r}; roles: feeder, reference, {', '.join(CONSUMERS)}")
 
 
 class TrainerWithHooks:
@@ -147,6 +165,7 @@ def build_trainer(
         bus,
         weights,
         batch_trainer,
+        with_reference=cfg.algorithm.kl_coef > 0,
         batch_prompts=cfg.rollout.batch_prompts,
         micro_batch_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
         lease_s=cfg.runtime.lease_s,

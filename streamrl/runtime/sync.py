@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.data.feeder import PromptFeeder
-from streamrl.models.loading import load_tokenizer
+from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.reference.service import reference_fields
 from streamrl.reward.service import score_rows
 from streamrl.rollout.service import result_fields, to_requests
 from streamrl.runtime import components as C
@@ -41,11 +42,15 @@ def run_sync(
     engine = C.make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
     scorer = C.make_scorer(ctx)
+    reference = (
+        load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype) if cfg.algorithm.kl_coef > 0 else None
+    )
     params = C.sampling_params(ctx)
     micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
     rollout_s = 0.0
     if start_step == 0:
         on_record(hooks.initial_record())
+    loop_started = time.perf_counter()
     try:
         for step in range(start_step, cfg.trainer.steps):
             started = time.perf_counter()
@@ -57,6 +62,16 @@ def run_sync(
                 row.update(result_fields(result))
             rollout_s += time.perf_counter() - started
             _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
+            if reference is not None:
+                _merge(
+                    rows,
+                    reference_fields(
+                        reference,
+                        rows,
+                        pad_token_id=tokenizer.pad_token_id,
+                        temperature=cfg.rollout.temperature,
+                    ),
+                )
             _merge(rows, advantage_fields(rows, cfg.algorithm.std_eps))
             for start in range(0, len(rows), micro):
                 trainer.train_microbatch(rows[start : start + micro])
@@ -66,7 +81,7 @@ def run_sync(
             on_record(hooks.after_step(record))
     finally:
         scorer.close()
-    return {"rollout": {"busy_s": rollout_s}}
+    return {"rollout": {"busy_s": rollout_s}, "train_wall_s": time.perf_counter() - loop_started}
 
 
 def _merge(rows: list[dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:

@@ -1,18 +1,23 @@
-"""What the trainer does around optimizer steps: held-out evaluation and checkpoints.
+"""What the trainer does around optimizer steps: the trained-samples log, held-out evaluation
+and checkpoints.
 
 Runs in the trainer's own process (it holds the model), in every mode. Steps in records and
 metrics count policy versions: the initial evaluation is step 0 and the record of the k-th
-optimizer step is step k.
+optimizer step is step k. A step's sample ids are appended to `trained_samples.jsonl` before
+any checkpoint that includes the step is written, so the log never lags a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from streamrl.runtime.components import Evaluator
 from streamrl.runtime.context import RunContext
 from streamrl.trainer.checkpoint import save_checkpoint
+
+SAMPLES_LOG = "trained_samples.jsonl"
 
 
 class TrainerHooks:
@@ -36,6 +41,13 @@ class TrainerHooks:
         t = self.ctx.cfg.trainer
         version = self.learner.version
         record["step"] = version
+        line = {
+            "step": version,
+            "ids": record["trained_ids"],
+            "digest": record.get("samples_digest"),
+        }
+        with (self.ctx.run_dir / SAMPLES_LOG).open("a") as f:
+            f.write(json.dumps(line) + "\n")
         last = version >= t.steps
         if last or (t.eval_every and version % t.eval_every == 0):
             start = time.perf_counter()

@@ -122,6 +122,6 @@ class Learner:
 def _pad_like(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
     out = torch.zeros_like(mask_bt)
     for i, s in enumerate(seqs):
-        values = torch.as_tensor(np.asarray(s, dtype=np.float32))
+        values = torch.tensor(np.asarray(s, dtype=np.float32))  # a copy: Ray arrays are read-only
         out[i, : len(values)] = values
     return out

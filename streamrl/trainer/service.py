@@ -131,6 +131,7 @@ class TrainerRole:
         weights,
         batch_trainer: BatchTrainer,
         *,
+        with_reference: bool = False,
         batch_prompts: int,
         micro_batch_rows: int,
         lease_s: float,
@@ -139,6 +140,7 @@ class TrainerRole:
         self.bus = bus
         self.weights = weights
         self.trainer = batch_trainer
+        self.fields = TRAIN_FIELDS + ([F.REF_LOGPROBS] if with_reference else [])
         self.batch_prompts = batch_prompts
         self.micro_batch_rows = micro_batch_rows
         self.lease_s = lease_s
@@ -154,7 +156,7 @@ class TrainerRole:
         self.progressed = False
         lease = self.bus.claim(
             CONSUMER,
-            TRAIN_FIELDS,
+            self.fields,
             self.micro_batch_rows,
             sampler="group",
             where={"batch_index": ("==", self.current)},

@@ -32,7 +32,7 @@ def warm_start_key(cfg: Config) -> str:
         "warm_start": cfg.warm_start.model_dump(),
         "digits": cfg.data.digits,
         "seed": cfg.run.seed,
-        "format": 3,
+        "format": 4,
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -467,6 +468,77 @@ def test_group_token_budget_sampler(bus: Bus) -> None:
     options = {"max_tokens": 12}
     lease = bus.claim("trainer", [], 10, sampler="group_token_budget", sampler_options=options)
     assert ids(lease) == ["a/0", "a/1"]
+
+
+# -- long-poll claims (wait_s) ---------------------------------------------------------------
+
+
+def run_later(*steps: tuple[float, Callable[[], None]]) -> Callable[[], None]:
+    """Run each (delay, action) in turn on another thread; returns a join that re-raises."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for delay, action in steps:
+                time.sleep(delay)
+                action()
+        except BaseException as e:  # re-raised in the test thread by join()
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        if errors:
+            raise errors[0]
+
+    return join
+
+
+def test_empty_claim_waits_up_to_wait_s(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    start = time.monotonic()
+    assert bus.claim("trainer", ["reward"], 1, wait_s=0.3) is None
+    elapsed = time.monotonic() - start
+    assert 0.29 <= elapsed < 1.5
+
+
+def test_waiting_claim_returns_once_the_field_is_written(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 2))
+    join = run_later((0.2, lambda: bus.write({"g/1": {"reward": 1.0}})))
+    start = time.monotonic()
+    lease = bus.claim("trainer", ["reward"], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(lease) == ["g/1"] and lease.rows[0]["reward"] == 1.0
+    assert 0.15 <= elapsed < 2.0
+
+
+def test_waiting_claim_returns_once_rows_are_added(bus: Bus) -> None:
+    join = run_later((0.2, lambda: bus.add_rows(group_rows("g", 1, fields={"prompt_ids": [7]}))))
+    start = time.monotonic()
+    lease = bus.claim("trainer", ["prompt_ids"], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(lease) == ["g/0"] and lease.rows[0]["prompt_ids"] == [7]
+    assert 0.15 <= elapsed < 2.0
+
+
+def test_unrelated_write_does_not_end_a_waiting_claim(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    join = run_later(
+        (0.1, lambda: bus.write({"g/0": {"advantages": 0.5}})),
+        (0.3, lambda: bus.write({"g/0": {"reward": 1.0}})),
+    )
+    start = time.monotonic()
+    lease = bus.claim("trainer", ["reward"], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(lease) == ["g/0"] and lease.rows[0]["reward"] == 1.0
+    assert "advantages" not in lease.rows[0]
+    assert 0.35 <= elapsed < 2.0  # not returned (empty or unusable) at the first write
 
 
 # -- drop, stats, checkpoints, close ---------------------------------------------------------

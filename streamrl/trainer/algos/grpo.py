@@ -18,7 +18,8 @@ def group_advantages(rewards_g: torch.Tensor, *, std_eps: float = 1e-4) -> torch
 
     A group of one sample, or one where every reward is equal, has zero advantage.
     """
-    if rewards_g.numel() < 2:
+    if rewards_g.numel() < 2 or bool((rewards_g == rewards_g[0]).all()):
+        # Exactly zero, not a rounding residue: no signal, and `skip_zero_advantage` relies on it.
         return torch.zeros_like(rewards_g)
     centred = rewards_g - rewards_g.mean()
     return centred / (rewards_g.std(unbiased=True) + std_eps)

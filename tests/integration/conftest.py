@@ -1,0 +1,63 @@
+"""Shared set-up for integration tests: run the real `streamrl` CLI in a subprocess.
+
+Tests that only need *a* policy (not a good one) use a short warm start so the suite stays fast;
+its cache lives in a per-session folder and is built once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small, fast settings for tests that check mechanics rather than learning.
+QUICK = [
+    "warm_start.steps=60",
+    "rollout.batch_prompts=4",
+    "rollout.group_size=4",
+    "data.num_eval=32",
+    "run.progress=false",
+    "run.log_every=0",
+    "run.tensorboard=false",
+]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["RAY_DEDUP_LOGS"] = "0"
+    return env
+
+
+def run_cli(args: list[str], *, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run `python -m streamrl.cli ARGS` to completion; fail the test with its output if it fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"streamrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def quick_cache(tmp_path_factory) -> Path:
+    """A cache folder whose warm-started policy for QUICK settings is built once per session."""
+    return tmp_path_factory.mktemp("cache")

@@ -1,0 +1,229 @@
+"""Run configuration: defaults, YAML files and dotted overrides, error messages, `dump_yaml`, CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from streamrl.cli import main
+from streamrl.config import Config, ConfigError, dump_yaml, load_config
+
+
+def sections() -> list[tuple[str, type[BaseModel]]]:
+    return [(name, field.annotation) for name, field in Config.model_fields.items()]
+
+
+def write_yaml(path: Path, data: object) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def test_no_arguments_gives_the_defaults() -> None:
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.rollout.max_staleness == 1
+    assert cfg.model.path is None
+    assert cfg.reward.function == "streamrl.reward.rule:arith_exact_match"
+
+
+def test_files_and_overrides_apply_left_to_right(tmp_path: Path) -> None:
+    first = write_yaml(
+        tmp_path / "a.yaml",
+        {"rollout": {"group_size": 4, "batch_prompts": 3}, "trainer": {"steps": 7}},
+    )
+    second = write_yaml(tmp_path / "b.yaml", {"rollout": {"group_size": 6}})
+    cfg = load_config([first, "rollout.batch_prompts=5", second, "trainer.steps=9"])
+    assert cfg.rollout.group_size == 6  # the later file wins...
+    assert cfg.rollout.batch_prompts == 5  # ...and merges into, not replaces, the section
+    assert cfg.trainer.steps == 9
+
+    cfg = load_config(["trainer.steps=9", first])
+    assert cfg.trainer.steps == 7  # a file after an override overrides it
+
+
+def test_override_strings_are_coerced_to_field_types() -> None:
+    cfg = load_config(
+        [
+            "algorithm.lr=1e-5",
+            "rollout.max_staleness=2",
+            "model.path=null",
+            "algorithm.tis_cap=null",
+        ]
+    )
+    assert cfg.algorithm.lr == 1e-5 and isinstance(cfg.algorithm.lr, float)
+    assert cfg.rollout.max_staleness == 2 and isinstance(cfg.rollout.max_staleness, int)
+    assert cfg.model.path is None
+    assert cfg.algorithm.tis_cap is None
+
+    cfg = load_config(["model.path=/models/x", "run.tensorboard=false", "model.dtype=bfloat16"])
+    assert (cfg.model.path, cfg.run.tensorboard, cfg.model.dtype) == (
+        "/models/x",
+        False,
+        "bfloat16",
+    )
+
+
+def test_empty_override_value_means_none() -> None:
+    assert load_config(["model.path=/x", "model.path="]).model.path is None
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_unknown_key_lists_the_allowed_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["rollout.max_stalenes=2"])
+    message = str(err.value)
+    assert "rollout.max_stalenes" in message
+    assert "max_staleness" in message and "group_size" in message
+
+    with pytest.raises(ConfigError, match="'modle'.*allowed: .*model"):
+        load_config(["modle.path=x"])
+
+
+def test_unknown_key_in_a_file_lists_the_allowed_keys(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", {"algorithm": {"learning_rate": 0.1}})
+    with pytest.raises(ConfigError) as err:
+        load_config([path])
+    message = str(err.value)
+    assert "algorithm.learning_rate" in message and "0.1" in message
+    assert "lr" in message and "kl_coef" in message
+
+
+def test_value_out_of_range_names_key_value_and_bound() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["rollout.max_staleness=-1"])
+    message = str(err.value)
+    assert "rollout.max_staleness" in message and "-1" in message
+    assert "greater than or equal to 0" in message
+
+
+def test_bad_choice_names_the_allowed_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["model.dtype=float16"])
+    message = str(err.value)
+    assert "model.dtype" in message and "float16" in message
+    assert "'float32'" in message and "'bfloat16'" in message
+
+
+def test_field_used_as_a_section_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"'rollout.max_staleness' is not a section"):
+        load_config(["rollout.max_staleness.value=2"])
+
+
+def test_cross_field_check_names_both_fields() -> None:
+    with pytest.raises(ConfigError, match=r"model.hidden_size \(30\).*model.num_heads \(4\)"):
+        load_config(["model.hidden_size=30"])
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml.*does not exist.*key=value"):
+        load_config([str(missing)])
+
+
+def test_file_that_is_not_a_mapping_is_a_config_error(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "list.yaml", [1, 2])
+    with pytest.raises(ConfigError, match="list.yaml.*must hold a mapping, got list"):
+        load_config([path])
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*not valid YAML"):
+        load_config([str(path)])
+
+
+def test_override_into_a_section_left_empty_in_a_file(tmp_path: Path) -> None:
+    # `model:` with every field commented out loads as None; an override fills it in.
+    path = tmp_path / "empty_section.yaml"
+    path.write_text("model:\n  # path: /models/x\n")
+    assert load_config([str(path), "model.path=/models/y"]).model.path == "/models/y"
+
+
+def test_override_into_a_value_that_is_not_a_section(tmp_path: Path) -> None:
+    path = tmp_path / "scalar_section.yaml"
+    path.write_text("rollout: 3\n")
+    with pytest.raises(ConfigError, match="rollout"):
+        load_config([str(path), "rollout.max_staleness=2"])
+
+
+# -- dump_yaml ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["algorithm.lr=1e-5", "model.path=/models/a b", "algorithm.tis_cap=null"]],
+)
+def test_dump_yaml_parses_back_to_the_same_config(overrides: list[str]) -> None:
+    cfg = load_config(overrides)
+    assert Config.model_validate(yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_dump_yaml_round_trips_a_long_string() -> None:
+    cfg = load_config(["run.run_dir=" + "runs/my experiment " * 6])
+    assert Config.model_validate(yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_dump_yaml_has_every_docstring_as_a_comment() -> None:
+    comment_lines = {
+        line.strip() for line in dump_yaml(Config()).splitlines() if line.strip().startswith("#")
+    }
+    for section_name, section in sections():
+        assert f"# {Config.model_fields[section_name].description}" in comment_lines
+        for name, field in section.model_fields.items():
+            for doc_line in field.description.split("\n"):
+                assert f"# {doc_line.strip()}" in comment_lines, f"{section_name}.{name}"
+
+
+def test_every_field_has_a_default_and_a_docstring() -> None:
+    for section_name, section in sections():
+        field = Config.model_fields[section_name]
+        assert not field.is_required() and field.description, section_name
+        for name, field in section.model_fields.items():
+            assert not field.is_required(), f"{section_name}.{name} has no default"
+            assert field.description and field.description.strip(), f"{section_name}.{name}"
+
+
+def test_assignment_is_validated() -> None:
+    cfg = Config()
+    with pytest.raises(ValidationError, match="group_size"):
+        cfg.rollout.group_size = 1
+    with pytest.raises(ValidationError, match="no attribute .max_stalenes."):
+        cfg.rollout.max_stalenes = 1
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def quiet_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `main` setdefaults these; setting them here first lets monkeypatch undo it afterwards.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def test_cli_config_show_prints_the_resolved_config(
+    quiet_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "show", "rollout.max_staleness=3"]) == 0
+    out = capsys.readouterr().out
+    assert "  max_staleness: 3" in out.splitlines()
+    assert yaml.safe_load(out)["rollout"]["max_staleness"] == 3
+
+
+def test_cli_bad_override_returns_2_and_names_the_key(
+    quiet_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "show", "rollout.max_stalenes=3"]) == 2
+    captured = capsys.readouterr()
+    assert "rollout.max_stalenes" in captured.err
+    assert captured.out == ""

@@ -1,0 +1,204 @@
+"""Built-in arithmetic task, JSONL datasets, prompt encoding and the feeder's bus rows."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from streamrl.api import fields as F
+from streamrl.data.arith import has_carry, is_eval_pair, sample_problems, worked_solution
+from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
+from streamrl.data.feeder import PromptFeeder
+from streamrl.data.prompts import encode_prompt, encode_response
+from streamrl.models.tokenizer import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+# -- the arithmetic task ---------------------------------------------------------------------
+
+
+def test_worked_solution_examples() -> None:
+    assert worked_solution(37, 85) == "7+5=12,3+8+1=12:122"
+    assert worked_solution(37, 85, carry=False) == "7+5=12,3+8=11:12"
+    assert worked_solution(99, 99, carry=False).endswith(":88")
+    assert worked_solution(5, 123) == "5+3=8,0+2=2,0+1=1:128"
+    assert worked_solution(0, 0) == "0+0=0:0"
+
+
+@given(st.integers(0, 10**6 - 1), st.integers(0, 10**6 - 1))
+def test_worked_solution_ends_with_the_sum(a: int, b: int) -> None:
+    assert worked_solution(a, b).rpartition(":")[2] == str(a + b)
+
+
+@given(st.integers(0, 999), st.integers(0, 999))
+def test_forgetting_the_carry_only_matters_when_there_is_one(a: int, b: int) -> None:
+    wrong = int(worked_solution(a, b, carry=False).rpartition(":")[2])
+    assert (wrong != a + b) == has_carry(a, b)
+
+
+def test_eval_and_train_splits_are_disjoint() -> None:
+    train = {(p.a, p.b) for p in sample_problems(3000, digits=2, seed=0, split="train")}
+    evals = {(p.a, p.b) for p in sample_problems(300, digits=2, seed=0, split="eval")}
+    assert train and evals and not train & evals
+    assert all(is_eval_pair(a, b, 0.1) for a, b in evals)
+
+
+def test_sample_problems_is_deterministic_per_seed() -> None:
+    def draw(seed: int) -> list[tuple[int, int]]:
+        return [(p.a, p.b) for p in sample_problems(50, digits=3, seed=seed, split="train")]
+
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+    assert all(0 <= x <= 999 for pair in draw(1) for x in pair)
+
+
+def test_sample_problems_rejects_an_unknown_split() -> None:
+    with pytest.raises(ValueError, match="'train' or 'eval'.*'test'"):
+        sample_problems(1, digits=2, seed=0, split="test")
+
+
+def test_builtin_rows_hold_prompt_and_answer() -> None:
+    row = builtin_rows(1, digits=2, seed=0, split="train")[0]
+    a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row.prompt).groups())
+    assert row.answer == str(a + b) and row.extra == {}
+
+
+# -- JSONL datasets ---------------------------------------------------------------------------
+
+
+def test_load_jsonl_skips_malformed_lines_and_says_where(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    lines = [
+        json.dumps({"prompt": "1+1=", "answer": "2"}),
+        "{not json",
+        "",
+        json.dumps(["a", "list"]),
+        json.dumps({"prompt": "2+2="}),
+        json.dumps({"prompt": "", "answer": "0"}),
+        json.dumps({"prompt": "3+3=", "answer": [6]}),
+        json.dumps({"prompt": "4+4=", "answer": 8, "level": "easy"}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    report = load_jsonl(path)
+    assert report.rows == [
+        PromptRow("1+1=", "2"),
+        PromptRow("4+4=", "8", {"level": "easy"}),
+    ]
+    assert report.num_skipped == 5
+    assert [p.split(": ")[0] for p in report.problems] == [f"{path}:{n}" for n in (2, 4, 5, 6, 7)]
+    assert "missing key(s) ['answer']" in report.problems[2]
+
+
+def test_load_jsonl_without_a_valid_row_raises(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "x"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"no valid row \(2 malformed\)"):
+        load_jsonl(path)
+
+
+def test_load_jsonl_of_a_missing_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_jsonl(tmp_path / "missing.jsonl")
+
+
+# -- prompts ----------------------------------------------------------------------------------
+
+
+def test_encode_prompt_uses_the_chat_template(tokenizer) -> None:
+    ids = encode_prompt(tokenizer, "1+2=")
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens == ["<|user|>", "1", "+", "2", "=", "<|end|>", "<|assistant|>"]
+
+
+def test_encode_response_ends_with_eos(tokenizer) -> None:
+    ids = encode_response(tokenizer, "1+2=3:3")
+    assert ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids[:-1]) == "1+2=3:3"
+
+
+# -- the feeder -------------------------------------------------------------------------------
+
+NUM_ROWS, BATCH_PROMPTS, GROUP_SIZE = 6, 2, 3
+
+
+@pytest.fixture
+def rows() -> list[PromptRow]:
+    # Distinct answers, so a bus row's answer tells which prompt it came from.
+    return [PromptRow(f"{i}+{i}=", str(2 * i), {"i": i}) for i in range(NUM_ROWS)]
+
+
+def make_feeder(rows: list[PromptRow], tokenizer, seed: int = 0) -> PromptFeeder:
+    return PromptFeeder(
+        rows, tokenizer, batch_prompts=BATCH_PROMPTS, group_size=GROUP_SIZE, seed=seed
+    )
+
+
+def comparable(batch: list[dict]) -> list[tuple]:
+    return [
+        (
+            r["sample_id"],
+            r["group_id"],
+            r["fields"][F.ANSWER],
+            r["fields"][F.PROMPT_IDS].tolist(),
+        )
+        for r in batch
+    ]
+
+
+def test_batch_rows_ids_and_groups(rows: list[PromptRow], tokenizer) -> None:
+    batch = make_feeder(rows, tokenizer).batch(4)
+    assert len(batch) == BATCH_PROMPTS * GROUP_SIZE
+    assert [r["sample_id"] for r in batch] == [
+        f"b4-p{j}-s{k}" for j in range(BATCH_PROMPTS) for k in range(GROUP_SIZE)
+    ]
+    for j in range(BATCH_PROMPTS):
+        group = batch[j * GROUP_SIZE : (j + 1) * GROUP_SIZE]
+        assert {r["group_id"] for r in group} == {f"b4-p{j}"}
+        assert {r["fields"][F.ANSWER] for r in group} == {group[0]["fields"][F.ANSWER]}
+    assert all(r["group_size"] == GROUP_SIZE and r["batch_index"] == 4 for r in batch)
+
+
+def test_batch_prompt_ids_are_the_encoded_prompt(rows: list[PromptRow], tokenizer) -> None:
+    by_answer = {row.answer: row for row in rows}
+    for r in make_feeder(rows, tokenizer).batch(0):
+        row = by_answer[r["fields"][F.ANSWER]]
+        assert r["fields"][F.PROMPT_IDS].dtype == np.int64
+        assert r["fields"][F.PROMPT_IDS].tolist() == encode_prompt(tokenizer, row.prompt)
+        assert r["fields"][F.EXTRA] == row.extra
+
+
+def test_batch_is_a_function_of_seed_and_index(rows: list[PromptRow], tokenizer) -> None:
+    feeder = make_feeder(rows, tokenizer)
+    first = comparable(feeder.batch(1))
+    feeder.batch(7)  # a later epoch in between must not change batch 1
+    assert comparable(feeder.batch(1)) == first
+    assert comparable(make_feeder(rows, tokenizer).batch(1)) == first
+    other_seeds = [comparable(make_feeder(rows, tokenizer, seed=s).batch(1)) for s in (1, 2, 3)]
+    assert any(b != first for b in other_seeds)
+
+
+def test_each_epoch_visits_every_prompt_once(rows: list[PromptRow], tokenizer) -> None:
+    feeder = make_feeder(rows, tokenizer)
+    batches_per_epoch = NUM_ROWS // BATCH_PROMPTS
+    for epoch in range(2):
+        answers = [
+            r["fields"][F.ANSWER]
+            for b in range(epoch * batches_per_epoch, (epoch + 1) * batches_per_epoch)
+            for r in feeder.batch(b)[::GROUP_SIZE]
+        ]
+        assert sorted(answers) == sorted(row.answer for row in rows)
+
+
+def test_feeder_rejects_an_empty_dataset(tokenizer) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        make_feeder([], tokenizer)
