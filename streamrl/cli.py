@@ -39,6 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_paths(cfg) -> None:
+    """Fail before any work on paths in the config that cannot be used."""
+    from streamrl.reward.scoring import resolve_callable
+
+    try:
+        resolve_callable(cfg.reward.function)
+    except ValueError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+    for key, value in (
+        ("model.path", cfg.model.path),
+        ("data.train_file", cfg.data.train_file),
+        ("data.eval_file", cfg.data.eval_file),
+    ):
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{key} = {value!r} does not exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -59,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             overrides = [str(saved), *overrides, f"run.run_dir={resume}"]
         cfg = load_config(overrides)
-    except ConfigError as e:
+        check_paths(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"streamrl: {e}", file=sys.stderr)
         return 2
     from streamrl.runtime.controller import train

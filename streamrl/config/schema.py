@@ -143,6 +143,8 @@ class RuntimeConfig(Section):
     poll_s: float = Field(0.002, gt=0)
     """How long an idle role first waits before looking for work again (doubling while idle,
     up to 16x)."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Stop the run with a diagnosis when no training step finishes for this long."""
     claim_wait_s: float = Field(0.05, ge=0)
     """Ray mode: an empty claim waits up to this long inside the bus for matching rows (long
     poll), instead of polling across processes."""

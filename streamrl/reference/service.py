@@ -7,7 +7,6 @@ identically laid-out numbers), and writes `ref_logprobs`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from streamrl.api import fields as F
+from streamrl.bus.transform import TransformRole
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 CONSUMER = "reference"
@@ -34,38 +34,19 @@ def reference_fields(
     }
 
 
-class ReferenceRole:
+class ReferenceRole(TransformRole):
+    consumer = CONSUMER
+    consumes = (F.PROMPT_IDS, F.RESPONSE_IDS)
+
     def __init__(
         self, bus, model, *, pad_token_id: int, temperature: float, max_rows: int, lease_s: float
     ):
-        self.bus = bus
+        super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.temperature = temperature
-        self.max_rows = max_rows
-        self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
-        self.busy_s = 0.0
 
-    def step(self) -> bool:
-        lease = self.bus.claim(
-            CONSUMER,
-            [F.PROMPT_IDS, F.RESPONSE_IDS],
-            self.max_rows,
-            lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
+    def compute(self, rows):
+        return reference_fields(
+            self.model, rows, pad_token_id=self.pad_token_id, temperature=self.temperature
         )
-        if lease is None:
-            return False
-        start = time.perf_counter()
-        self.bus.write(
-            reference_fields(
-                self.model, lease.rows, pad_token_id=self.pad_token_id, temperature=self.temperature
-            )
-        )
-        self.bus.ack(lease.lease_id)
-        self.busy_s += time.perf_counter() - start
-        return True
-
-    def stats(self) -> dict[str, float]:
-        return {"busy_s": self.busy_s}

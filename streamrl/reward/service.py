@@ -7,11 +7,11 @@ they are left out of advantages and training and counted by reason, never scored
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamrl.api import fields as F
+from streamrl.bus.transform import TransformRole
 from streamrl.reward.sandbox import ScoreTask
 
 CONSUMER = "reward"
@@ -40,7 +40,10 @@ def score_rows(
     return updates
 
 
-class RewardRole:
+class RewardRole(TransformRole):
+    consumer = CONSUMER
+    consumes = (F.RESPONSE_IDS, F.ANSWER, F.EXTRA)
+
     def __init__(
         self,
         bus,
@@ -51,33 +54,16 @@ class RewardRole:
         max_rows: int,
         lease_s: float,
     ):
-        self.bus = bus
+        super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.invalid_penalty = invalid_penalty
-        self.max_rows = max_rows
-        self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
-        self.busy_s = 0.0
 
-    def step(self) -> bool:
-        lease = self.bus.claim(
-            CONSUMER,
-            [F.RESPONSE_IDS, F.ANSWER, F.EXTRA],
-            self.max_rows,
-            lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
-        )
-        if lease is None:
-            return False
-        start = time.perf_counter()
-        self.bus.write(score_rows(self.scorer, self.tokenizer, lease.rows, self.invalid_penalty))
-        self.bus.ack(lease.lease_id)
-        self.busy_s += time.perf_counter() - start
-        return True
+    def compute(self, rows):
+        return score_rows(self.scorer, self.tokenizer, rows, self.invalid_penalty)
 
     def stats(self) -> dict[str, float]:
-        return {"busy_s": self.busy_s, "restarts": self.scorer.num_restarts}
+        return {**super().stats(), "restarts": self.scorer.num_restarts}
 
     def close(self) -> None:
         self.scorer.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from streamrl.api.engine import SamplingParams
+from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.reward.sandbox import SandboxedScorer
@@ -22,6 +23,18 @@ from streamrl.trainer.service import BatchTrainer
 
 def set_threads(num: int) -> None:
     torch.set_num_threads(num)
+
+
+def make_feeder(ctx: RunContext) -> PromptFeeder:
+    r = ctx.cfg.rollout
+    tokenizer = load_tokenizer(ctx.policy_dir)
+    return PromptFeeder(
+        ctx.train_rows,
+        tokenizer,
+        batch_prompts=r.batch_prompts,
+        group_size=r.group_size,
+        seed=ctx.cfg.data.seed,
+    )
 
 
 def make_engine(ctx: RunContext, model=None) -> BuiltinEngine:

@@ -29,7 +29,7 @@ from streamrl.metrics import (
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
-from streamrl.trainer.sft import ensure_policy_dir
+from streamrl.trainer.sft import cached_policy_dir, ensure_policy_dir
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,14 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     memory = PeakMemorySampler(interval_s=0.5)
     memory.start()
     try:
-        with phase(
-            "warm start: SFT on a noisy teacher (cached after the first run)",
-            cfg.warm_start.steps,
-            enabled=cfg.run.progress,
-        ) as advance:
-            policy_dir = ensure_policy_dir(cfg, progress=lambda _desc, _total: advance)
+        policy_dir = cached_policy_dir(cfg)
+        if policy_dir is None:
+            with phase(
+                "warm start: SFT on a noisy teacher (cached for later runs)",
+                cfg.warm_start.steps,
+                enabled=cfg.run.progress,
+            ) as advance:
+                policy_dir = ensure_policy_dir(cfg, progress=lambda _desc, _total: advance)
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
         start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
         if resume is not None and checkpoint is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from streamrl.bus.local import LocalBus
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import active_roles, build_role, bus_capacity_groups
+from streamrl.runtime.roles import active_roles, build_role, bus_capacity_groups, stall_message
 from streamrl.weights.dcs import InProcessWeights
 
 
@@ -44,10 +44,15 @@ async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
             await asyncio.sleep(0 if progressed else poll_s)
 
     async def train_loop() -> None:
+        last_record = time.perf_counter()
         while not trainer.done:
             progressed = trainer.step()
             for record in trainer.drain():
                 on_record(record)
+                last_record = time.perf_counter()
+            if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:
+                stats = {name: role.stats() for name, role in others.items()}
+                raise RuntimeError(stall_message(ctx, stats, bus.stats()))
             await asyncio.sleep(0 if progressed else poll_s)
         for record in trainer.drain():
             on_record(record)

@@ -29,7 +29,7 @@ from typing import Any
 import ray
 
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import active_roles, bus_capacity_groups
+from streamrl.runtime.roles import active_roles, bus_capacity_groups, stall_message
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,14 @@ def run_ray(
     runs = {n: a.run.remote() for n, a in actors.items()}
     trainer = actors["trainer"]
     try:
+        last_record = time.perf_counter()
         while True:
             for record in ray.get(trainer.drain.remote()):
                 on_record(record)
+                last_record = time.perf_counter()
+            if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:
+                stats = {n: ray.get(a.stats.remote()) for n, a in actors.items()}
+                raise RuntimeError(stall_message(ctx, stats, bus.stats()))
             finished, _ = ray.wait(list(runs.values()), timeout=0.2, num_returns=len(runs))
             for ref in finished:
                 ray.get(ref)  # re-raises a role's error here, with its traceback

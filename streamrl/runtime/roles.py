@@ -48,6 +48,15 @@ class FeederRole:
         return {"next_batch": self.next_batch}
 
 
+def stall_message(ctx: RunContext, role_stats: dict[str, Any], bus_stats: dict[str, Any]) -> str:
+    """What to tell the user when no training step finished for `runtime.stall_timeout_s`."""
+    return (
+        f"no training step finished in {ctx.cfg.runtime.stall_timeout_s:.0f}s: the pipeline is "
+        f"stuck (a role waiting for a field nobody writes?). Role stats: {role_stats}. "
+        f"Bus: {bus_stats}. Raise runtime.stall_timeout_s if steps are legitimately this slow."
+    )
+
+
 def bus_capacity_groups(ctx: RunContext) -> int:
     """At most (max_staleness + 1) batches of prompts in flight."""
     r = ctx.cfg.rollout
@@ -69,15 +78,9 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
     cfg, rt = ctx.cfg, ctx.cfg.runtime
     group_rows = cfg.rollout.batch_prompts * cfg.rollout.group_size
     if name == "feeder":
-        tokenizer = load_tokenizer(ctx.policy_dir)
-        feeder = PromptFeeder(
-            ctx.train_rows,
-            tokenizer,
-            batch_prompts=cfg.rollout.batch_prompts,
-            group_size=cfg.rollout.group_size,
-            seed=cfg.data.seed,
+        return FeederRole(
+            bus, C.make_feeder(ctx), start_batch=start_step, end_batch=cfg.trainer.steps
         )
-        return FeederRole(bus, feeder, start_batch=start_step, end_batch=cfg.trainer.steps)
     if name == "rollout":
         return RolloutRole(
             bus,

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from streamrl.data.feeder import PromptFeeder
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.reference.service import reference_fields
 from streamrl.reward.service import score_rows
@@ -28,13 +27,7 @@ def run_sync(
 ) -> dict[str, Any]:
     cfg = ctx.cfg
     tokenizer = load_tokenizer(ctx.policy_dir)
-    feeder = PromptFeeder(
-        ctx.train_rows,
-        tokenizer,
-        batch_prompts=cfg.rollout.batch_prompts,
-        group_size=cfg.rollout.group_size,
-        seed=cfg.data.seed,
-    )
+    feeder = C.make_feeder(ctx)
     trainer = C.make_batch_trainer(ctx)
     if ctx.checkpoint is not None:
         load_checkpoint(ctx.checkpoint, trainer.learner)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from streamrl.api import fields as F
+from streamrl.bus.transform import TransformRole
 from streamrl.trainer.algos.grpo import group_advantages
 
 CONSUMER = "advantage"
@@ -40,28 +41,14 @@ def advantage_fields(
     return updates
 
 
-class AdvantageRole:
+class AdvantageRole(TransformRole):
+    consumer = CONSUMER
+    consumes = (F.REWARD,)
+    sampler = "group"
+
     def __init__(self, bus, *, std_eps: float, max_rows: int, lease_s: float):
-        self.bus = bus
+        super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         self.std_eps = std_eps
-        self.max_rows = max_rows
-        self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
 
-    def step(self) -> bool:
-        lease = self.bus.claim(
-            CONSUMER,
-            [F.REWARD],
-            self.max_rows,
-            sampler="group",
-            lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
-        )
-        if lease is None:
-            return False
-        self.bus.write(advantage_fields(lease.rows, self.std_eps))
-        self.bus.ack(lease.lease_id)
-        return True
-
-    def stats(self) -> dict[str, float]:
-        return {}
+    def compute(self, rows):
+        return advantage_fields(rows, self.std_eps)

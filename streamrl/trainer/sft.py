@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 from collections.abc import Callable
@@ -37,17 +38,24 @@ def warm_start_key(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def cached_policy_dir(cfg: Config) -> Path | None:
+    """The policy directory if it needs no work (a user's model, or a cached warm start)."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    out = Path(cfg.run.cache_dir) / f"policy-{warm_start_key(cfg)}"
+    return out if (out / "config.json").is_file() else None
+
+
 def ensure_policy_dir(
     cfg: Config, progress: Callable[[str, int], Callable[[int], None]] | None = None
 ) -> Path:
     """Return the HF directory RL starts from: `model.path`, or the cached warm-started tiny model."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
+    cached = cached_policy_dir(cfg)
+    if cached is not None:
+        return cached
     cache = Path(cfg.run.cache_dir)
     out = cache / f"policy-{warm_start_key(cfg)}"
-    if (out / "config.json").is_file():
-        return out
-    tmp = cache / f".tmp-{out.name}"
+    tmp = cache / f".tmp-{out.name}-{os.getpid()}"  # concurrent builders do not collide
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model_dir(
         tmp,
@@ -58,7 +66,12 @@ def ensure_policy_dir(
     )
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
         run_sft(tmp, cfg, progress)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same warm start first: use theirs
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
