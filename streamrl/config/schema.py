@@ -94,6 +94,11 @@ class AlgorithmConfig(Section):
     """Algorithm; the full library (DAPO, RLOO, PPO, ...) is its own issue."""
     lr: float = Field(3e-4, gt=0)
     """Policy learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """Learning-rate schedule over `trainer.steps`: constant, or cosine decay to
+    `min_lr_ratio * lr` (settles the policy as it converges)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     clip_eps_low: float = Field(0.2, ge=0)

@@ -70,6 +70,9 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
         grad_clip=a.grad_clip,
         temperature=ctx.cfg.rollout.temperature,
         settings=settings,
+        lr_schedule=a.lr_schedule,
+        total_steps=ctx.cfg.trainer.steps,
+        min_lr_ratio=a.min_lr_ratio,
     )
     return BatchTrainer(
         learner,

@@ -8,6 +8,7 @@ which order they arrived. The trainer role and the synchronous loop both drive t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,17 @@ class Learner:
         grad_clip: float | None,
         temperature: float,
         settings: LossSettings,
+        lr_schedule: str = "constant",
+        total_steps: int = 1,
+        min_lr_ratio: float = 0.1,
     ):
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
         self.model = model
+        self.lr = lr
+        self.lr_schedule = lr_schedule
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
         self.pad_token_id = pad_token_id
         self.grad_clip = grad_clip
         self.temperature = temperature
@@ -40,6 +50,15 @@ class Learner:
         )
         self.version = 0
         self._reset_step()
+
+    def lr_at(self, version: int) -> float:
+        """Learning rate of the step that makes version+1: a function of the version alone, so
+        a resumed run continues the schedule with no extra state."""
+        if self.lr_schedule == "constant" or self.total_steps <= 1:
+            return self.lr
+        progress = min(version / (self.total_steps - 1), 1.0)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
     def _reset_step(self) -> None:
         self._normaliser = 0.0
@@ -86,6 +105,9 @@ class Learner:
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             )
+        lr = self.lr_at(self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -98,6 +120,7 @@ class Learner:
             "kl_mean": self._stats.get("kl_mean", 0.0) / tokens,
             "logprob_mismatch": self._stats.get("mismatch_abs_sum", 0.0) / tokens,
             "trained_tokens": self._stats.get("num_tokens", 0.0),
+            "lr": lr,
         }
         self._reset_step()
         return out
