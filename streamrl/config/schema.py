@@ -166,8 +166,9 @@ class RunConfig(Section):
     """Write TensorBoard event files under run_dir/tb."""
     progress: bool = True
     """Show a progress bar."""
-    log_every: int = Field(10, ge=0)
-    """Print a metrics line every this many steps (0: never)."""
+    log_every: int = Field(0, ge=0)
+    """Also print every metric on one line every this many steps (0: never; the progress bar
+    already shows reward, staleness, tokens/s and accuracy)."""
 
 
 class Config(Section):

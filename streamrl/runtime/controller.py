@@ -175,6 +175,7 @@ def _summary(
     rollout_busy = role_stats.get("rollout", {}).get("busy_s")
     return {
         "run_name": run_dir.name,
+        "run_dir": str(run_dir),
         "mode": cfg.runtime.mode,
         "max_staleness": cfg.rollout.max_staleness,
         "initial_eval_accuracy": sink.first_eval,

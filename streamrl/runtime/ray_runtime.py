@@ -21,6 +21,7 @@ records or tell it to stop while the loop runs. Ray starts locally when no addre
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -104,7 +105,7 @@ def ensure_ray(ctx: RunContext) -> None:
         ray.init(address=rt.ray_address, log_to_driver=True)
     else:
         ray.init(
-            num_cpus=rt.num_cpus or 8,
+            num_cpus=rt.num_cpus or os.cpu_count() or 1,
             include_dashboard=False,
             log_to_driver=True,
             object_store_memory=256 * 2**20,
