@@ -47,10 +47,16 @@ class RecordSink:
         self.steps_done = 0
         self.dropped: dict[str, int] = {}
         self._last_time: float | None = None
+        self._role_busy: dict[str, float] = {}
 
     def __call__(self, record: dict[str, Any]) -> None:
         step, metrics = record["step"], dict(record["metrics"])
         now = time.perf_counter()
+        for role, stats in record.get("roles", {}).items():  # cumulative -> this step's share
+            busy = stats.get("busy_s")
+            if busy is not None:
+                metrics[f"time/{role}_busy_s"] = busy - self._role_busy.get(role, 0.0)
+                self._role_busy[role] = busy
         if "eval/accuracy" in metrics:
             self.last_eval = metrics["eval/accuracy"]
             if self.first_eval is None:

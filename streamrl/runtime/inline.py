@@ -48,6 +48,7 @@ async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
         while not trainer.done:
             progressed = trainer.step()
             for record in trainer.drain():
+                record["roles"] = {name: role.stats() for name, role in others.items()}
                 on_record(record)
                 last_record = time.perf_counter()
             if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:

@@ -147,7 +147,13 @@ def run_ray(
     try:
         last_record = time.perf_counter()
         while True:
-            for record in ray.get(trainer.drain.remote()):
+            records = ray.get(trainer.drain.remote())
+            if records:  # cumulative busy time of the other roles, for per-step time per role
+                others = [n for n in actors if n != "trainer"]
+                records[-1]["roles"] = dict(
+                    zip(others, ray.get([actors[n].stats.remote() for n in others]), strict=True)
+                )
+            for record in records:
                 on_record(record)
                 last_record = time.perf_counter()
             if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:

@@ -71,6 +71,7 @@ def run_sync(
             record = trainer.finish()
             engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
             record["metrics"]["time/step_s"] = time.perf_counter() - started
+            record["roles"] = {"rollout": {"busy_s": rollout_s}}
             on_record(hooks.after_step(record))
     finally:
         scorer.close()
