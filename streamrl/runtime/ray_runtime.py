@@ -34,14 +34,9 @@ from streamrl.runtime.roles import active_roles, bus_capacity_groups, stall_mess
 
 log = logging.getLogger(__name__)
 
-ROLE_THREADS = {
-    "rollout": 1,
-    "trainer": 1,
-    "reward": 1,
-    "advantage": 1,
-    "reference": 1,
-    "feeder": 1,
-}
+# torch threads per role process: one each (two cores: rollout and trainer each get one);
+# the trainer's comes from `trainer.threads`.
+ROLE_THREADS = 1
 
 
 class RoleActor:
@@ -135,7 +130,7 @@ def run_ray(
             bus,
             weights,
             start_step,
-            ctx.cfg.trainer.threads if n == "trainer" else ROLE_THREADS[n],
+            ctx.cfg.trainer.threads if n == "trainer" else ROLE_THREADS,
         )
         for n in names
     }
