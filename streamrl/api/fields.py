@@ -6,7 +6,10 @@
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
 | reward, reward_status, reward_reason | reward | float or None; ok / invalid_output / timeout / infra_error; text |
 | ref_logprobs | reference | per-token log-probs under the reference model |
-| advantages | advantage | scalar advantage of the sample (broadcast over its tokens) |
+| old_logprobs, old_version | logp (pi_old) | per-token log-probs under the newest published policy; its version |
+| values | critic | per-token value estimates |
+| advantages | advantage | a float per sample (broadcast over its tokens), a float per token (REINFORCE++, GAE), or None (dropped by dynamic sampling) |
+| returns | advantage | per-token GAE returns (the critic's targets) |
 """
 
 PROMPT_IDS = "prompt_ids"
@@ -21,6 +24,10 @@ REWARD_STATUS = "reward_status"
 REWARD_REASON = "reward_reason"
 REF_LOGPROBS = "ref_logprobs"
 ADVANTAGES = "advantages"
+OLD_LOGPROBS = "old_logprobs"
+OLD_VERSION = "old_version"
+VALUES = "values"
+RETURNS = "returns"
 
 ROLLOUT_OUTPUTS = (RESPONSE_IDS, ROLLOUT_LOGPROBS, VERSIONS, FINISH_REASON)
 REWARD_OUTPUTS = (REWARD, REWARD_STATUS, REWARD_REASON)

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streamrl.config.presets import apply_preset
+
 
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, values are checked on assignment."""
@@ -61,8 +63,9 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["builtin"] = "builtin"
-    """Generation engine (vLLM and SGLang arrive with their own issue)."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """Generation engine: `builtin` (transformers, runs wherever torch runs) or `vllm` (install
+    it with `make install-vllm`; see docs/engines.md). SGLang arrives with its own issue."""
     batch_prompts: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=2)
@@ -75,9 +78,28 @@ class RolloutConfig(Section):
     """0 = strict on-policy (identical to the synchronous loop); s > 0 lets rollout run s policy
     versions ahead of the trainer."""
     max_batch_size: int = Field(512, ge=1)
-    """Most sequences the builtin engine decodes at once."""
+    """Most sequences an engine decodes at once (vLLM's `max_num_seqs`)."""
     inflight_weight_updates: bool = True
-    """Load newer weights between decode steps instead of only between batches."""
+    """Load newer weights between decode steps instead of only between batches (vLLM: abort the
+    running requests and resume them as continuations under the new weights)."""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's weight and compute dtype; auto uses `model.dtype`, the trainer's, which keeps the
+    rollout/trainer log-prob mismatch smallest."""
+    vllm_kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM's KV cache size in GiB (host memory on CPU, per device on GPUs)."""
+    vllm_max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + response vLLM accepts; None uses the model's `max_position_embeddings`."""
+    vllm_enforce_eager: bool = True
+    """Run vLLM without torch.compile and CUDA graphs: starts fast, what CPU runs want; on GPUs
+    False is faster once warm."""
+    vllm_prefix_caching: bool = True
+    """Let vLLM share a prompt's attention cache between the samples of its group."""
+    vllm_in_process: bool = True
+    """Run vLLM's engine core inside the rollout process: starts in seconds and passes weights by
+    reference. False gives it its own process (weights then travel as a safetensors blob)."""
+    vllm_engine_kwargs: dict[str, object] = Field(default_factory=dict)
+    """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size` or
+    `gpu_memory_utilization`); they override the settings above."""
 
 
 class RewardConfig(Section):
@@ -90,8 +112,9 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = "grpo"
-    """Algorithm; the full library (DAPO, RLOO, PPO, ...) is its own issue."""
+    preset: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "ppo"] = "grpo"
+    """Published recipe to start from (docs/algorithms.md); it fills in the fields below that
+    are not set explicitly, so any of them can still be overridden."""
     lr: float = Field(3e-4, gt=0)
     """Policy learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
@@ -101,25 +124,110 @@ class AlgorithmConfig(Section):
     """Final learning rate of the cosine schedule, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    clip_eps_low: float = Field(0.2, ge=0)
-    """PPO clip: ratio floor is 1 - clip_eps_low."""
-    clip_eps_high: float = Field(0.28, ge=0)
-    """PPO clip: ratio ceiling is 1 + clip_eps_high."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the reference model in the loss; > 0 starts the reference role."""
-    tis_cap: float | None = 2.0
-    """Truncated importance sampling cap on pi_trainer / pi_rollout per token; None disables."""
+
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Advantage estimator: grpo (group z-score), rloo (leave-one-out), reinforce_pp
+    (return-to-go, batch z-score), reinforce_pp_baseline (group mean, batch std), gae (critic)."""
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    """grpo: divide the centred reward by the group std, the batch std, or nothing (Dr. GRPO)."""
+    std_unbiased: bool = True
+    """grpo: Bessel-corrected (unbiased) std, as TRL and ms-swift; False for the population std."""
     std_eps: float = Field(1e-4, ge=0)
-    """Epsilon added to the group reward std when normalising advantages."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """How per-token losses are averaged over the global batch."""
+    """Epsilon added to the std when normalising advantages."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """gae: discount."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """gae: lambda."""
+
+    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = "ppo"
+    """ppo (token ratio, clip; DAPO clip-higher when clip_eps_high > clip_eps_low), gspo
+    (sequence ratio), gspo_token (sequence ratio, per-token gradient), cispo (clipped, detached
+    IS weight on the log-prob)."""
+    clip_eps_low: float = Field(0.2, ge=0, lt=1)
+    """PPO clip: ratio floor is 1 - clip_eps_low."""
+    clip_eps_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio ceiling is 1 + clip_eps_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip PPO: bound the loss of a negative-advantage token by -dual_clip * A (None: off)."""
+    cispo_max_ratio: float = Field(5.0, gt=0)
+    """cispo: cap on the detached IS ratio."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
+        "token_mean"
+    )
+    """How per-token losses are averaged over the global batch: over all tokens; per sequence
+    then over sequences; token sums averaged over sequences; or summed and divided by
+    (sequences x `loss_agg_constant`) as Dr. GRPO."""
+    loss_agg_constant: float | None = Field(None, gt=0)
+    """Normaliser per sequence for loss_agg=constant (None: rollout.max_new_tokens)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference model; > 0 starts the reference role."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log(pi/pi_ref), k2 = k1^2/2, k3 = pi_ref/pi - log(pi_ref/pi) - 1."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef x KL from the reward (RLOO, REINFORCE++) instead of adding it to the loss."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight in the loss (0: off)."""
+
+    is_correction: Literal["tis", "mis", "none"] = "tis"
+    """Off-policy correction between the proximal and the behaviour (rollout) policy: truncated
+    IS, masked IS (zero outside [mis_low, mis_high]), or none."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or the product over the response."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap; None: untruncated."""
+    mis_low: float = Field(0.5, ge=0)
+    """Masked IS: lowest kept ratio."""
+    mis_high: float = Field(2.0, gt=0)
+    """Masked IS: highest kept ratio."""
+    proximal: Literal["current", "pi_old"] = "current"
+    """Policy the PPO ratio is clipped around: the current one (one optimizer step per batch), or
+    decoupled PPO with log-probs from the pi_old role (which follows the published weights)."""
+    max_token_staleness: int | None = Field(None, ge=0)
+    """Leave out of the loss any token produced more than this many versions ago (None: keep)."""
+
+    overlong_cache: int | None = Field(None, ge=0)
+    """DAPO soft overlong penalty: ramp from 0 to -1 over the last this many tokens before
+    rollout.max_new_tokens (None: off)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (not trained, not in the
+    normaliser); the feeder oversamples prompts by `dynamic_sampling_oversample` to refill."""
+    dynamic_sampling_oversample: float = Field(1.5, ge=1)
+    """With dynamic sampling: prompts drawn per batch = ceil(this x rollout.batch_prompts)."""
+    reward_norm: bool = False
+    """Normalise rewards online by an exponential moving mean and std before the advantage."""
+    reward_norm_momentum: float = Field(0.9, ge=0, lt=1)
+    """Momentum of the online reward statistics."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip rewards to [-reward_clip, reward_clip] (None: off)."""
+
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     micro_batch_groups: int = Field(8, ge=1)
     """Groups per trainer micro-batch (gradients accumulate over a step's micro-batches)."""
     skip_zero_advantage: bool = True
     """Skip the forward/backward of samples whose advantage is 0 (the gradient is unchanged when
-    kl_coef is 0; they still count in the loss normaliser)."""
+    no KL or entropy term is in the loss; they still count in the loss normaliser)."""
+
+    _fill_preset = model_validator(mode="before")(apply_preset)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> AlgorithmConfig:
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward=true needs kl_coef > 0")
+        return self
+
+
+class CriticConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    """Critic (value model) learning rate; the critic runs only when algorithm.advantage=gae."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clipped value loss: new values may move at most this far from the values used for the
+    advantages (None: plain squared error)."""
+    grad_clip: float | None = 1.0
+    """Clip the critic's gradient norm to this (None: no clipping)."""
 
 
 class TrainerConfig(Section):
@@ -150,6 +258,15 @@ class RuntimeConfig(Section):
     up to 16x)."""
     stall_timeout_s: float = Field(600.0, gt=0)
     """Stop the run with a diagnosis when no training step finishes for this long."""
+    max_restarts: int = Field(3, ge=0)
+    """Ray mode: restarts allowed per role before the run fails (the trainer resumes from its
+    latest checkpoint; the others restart in place)."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Ray mode: wait before a role's n-th restart is this times 2^(n-1)."""
+    health_interval_s: float = Field(5.0, gt=0)
+    """Ray mode: how often each role is pinged."""
+    health_timeout_s: float = Field(120.0, gt=0)
+    """Ray mode: a role that does not answer a ping this long is killed and restarted."""
     claim_wait_s: float = Field(0.05, ge=0)
     """Ray mode: an empty claim waits up to this long inside the bus for matching rows (long
     poll), instead of polling across processes."""
@@ -186,6 +303,8 @@ class Config(Section):
     """Scoring."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Advantages and loss."""
+    critic: CriticConfig = CriticConfig()
+    """The value model of PPO (algorithm.advantage=gae)."""
     trainer: TrainerConfig = TrainerConfig()
     """Training schedule."""
     runtime: RuntimeConfig = RuntimeConfig()

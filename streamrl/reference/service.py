@@ -50,3 +50,57 @@ class ReferenceRole(TransformRole):
         return reference_fields(
             self.model, rows, pad_token_id=self.pad_token_id, temperature=self.temperature
         )
+
+
+LOGP_CONSUMER = "logp"
+
+
+class LogpRole(TransformRole):
+    """The pi_old role of decoupled PPO: log-probs under the newest published policy.
+
+    Before each batch of rows it pulls newer weights from the weight-sync service, then writes
+    `old_logprobs` and the version they were computed at (`old_version`). The trainer clips its
+    ratio around these (the proximal policy) and corrects the gap to the rollout's log-probs
+    (the behaviour policy) with the importance weight.
+    """
+
+    consumer = LOGP_CONSUMER
+    consumes = (F.PROMPT_IDS, F.RESPONSE_IDS)
+
+    def __init__(
+        self,
+        bus,
+        weights,
+        model,
+        *,
+        pad_token_id: int,
+        temperature: float,
+        max_rows: int,
+        lease_s: float,
+    ):
+        super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
+        self.weights = weights
+        self.model = model.eval()
+        self.version = -1
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+
+    def pull_weights(self) -> None:
+        newer = self.weights.fetch_newer(self.version)
+        if newer is not None:
+            version, tensors = newer
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in tensors.items():
+                    params[name].copy_(torch.as_tensor(np.array(value)))  # a writable copy
+            self.version = version
+
+    def compute(self, rows):
+        self.pull_weights()
+        out = reference_fields(
+            self.model, rows, pad_token_id=self.pad_token_id, temperature=self.temperature
+        )
+        return {
+            sample_id: {F.OLD_LOGPROBS: v[F.REF_LOGPROBS], F.OLD_VERSION: self.version}
+            for sample_id, v in out.items()
+        }

@@ -5,9 +5,14 @@ Each process builds its own; the same functions serve the sync loop, inline mode
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
+from streamrl.api import fields as F
 from streamrl.api.engine import SamplingParams
+from streamrl.config.schema import Config
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
@@ -15,14 +20,80 @@ from streamrl.reward.sandbox import SandboxedScorer
 from streamrl.reward.scoring import resolve_callable
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.runtime.context import RunContext
-from streamrl.trainer.algos.grpo import LossSettings
+from streamrl.trainer.advantage import AdvantageSettings
+from streamrl.trainer.algos.objective import LossSettings
 from streamrl.trainer.evaluate import greedy_accuracy
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.service import BatchTrainer
 
+if TYPE_CHECKING:
+    from streamrl.rollout.vllm_engine import VllmEngine
+
 
 def set_threads(num: int) -> None:
     torch.set_num_threads(num)
+
+
+def prompts_per_batch(cfg: Config) -> int:
+    """Prompts (groups) per rollout batch: more than `batch_prompts` under dynamic sampling, so
+    that the groups left after dropping those with no signal refill the batch."""
+    a = cfg.algorithm
+    if a.dynamic_sampling:
+        return math.ceil(a.dynamic_sampling_oversample * cfg.rollout.batch_prompts)
+    return cfg.rollout.batch_prompts
+
+
+def loss_settings(cfg: Config) -> LossSettings:
+    a = cfg.algorithm
+    return LossSettings(
+        policy_loss=a.policy_loss,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip=a.dual_clip,
+        cispo_max_ratio=a.cispo_max_ratio,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        kl_in_reward=a.kl_in_reward,
+        entropy_coef=a.entropy_coef,
+        is_mode=a.is_correction,
+        is_level=a.is_level,
+        tis_cap=a.tis_cap,
+        mis_band=(a.mis_low, a.mis_high),
+        loss_agg=a.loss_agg,
+        loss_agg_constant=a.loss_agg_constant or float(cfg.rollout.max_new_tokens),
+        max_token_staleness=a.max_token_staleness,
+    )
+
+
+def advantage_settings(cfg: Config) -> AdvantageSettings:
+    a = cfg.algorithm
+    return AdvantageSettings(
+        estimator=a.advantage,
+        scale=a.adv_scale,
+        std_unbiased=a.std_unbiased,
+        std_eps=a.std_eps,
+        gamma=a.gamma,
+        lam=a.lam,
+        kl_in_reward_coef=a.kl_coef if a.kl_in_reward else 0.0,
+        kl_estimator=a.kl_estimator,
+        overlong_cache=a.overlong_cache,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        dynamic_sampling=a.dynamic_sampling,
+        reward_clip=a.reward_clip,
+        reward_norm=a.reward_norm,
+        reward_norm_momentum=a.reward_norm_momentum,
+    )
+
+
+def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
+    """Fields the trainer needs beyond the rollout's, reward's and advantage's."""
+    a = cfg.algorithm
+    extra = []
+    if a.kl_coef > 0 and not a.kl_in_reward:
+        extra.append(F.REF_LOGPROBS)
+    if a.proximal == "pi_old":
+        extra.append(F.OLD_LOGPROBS)
+    return tuple(extra)
 
 
 def make_feeder(ctx: RunContext) -> PromptFeeder:
@@ -31,13 +102,17 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
     return PromptFeeder(
         ctx.train_rows,
         tokenizer,
-        batch_prompts=r.batch_prompts,
+        batch_prompts=prompts_per_batch(ctx.cfg),
         group_size=r.group_size,
         seed=ctx.cfg.data.seed,
     )
 
 
-def make_engine(ctx: RunContext, model=None) -> BuiltinEngine:
+def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine:
+    """The rollout engine `rollout.engine` names. Given `model` (the evaluator shares the
+    trainer's model object), always the builtin engine over that model."""
+    if model is None and ctx.cfg.rollout.engine == "vllm":
+        return make_vllm_engine(ctx)
     tok = load_tokenizer(ctx.policy_dir)
     model = (
         model if model is not None else load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype)
@@ -48,6 +123,25 @@ def make_engine(ctx: RunContext, model=None) -> BuiltinEngine:
         pad_token_id=tok.pad_token_id,
         max_batch_size=ctx.cfg.rollout.max_batch_size,
     )
+
+
+def make_vllm_engine(ctx: RunContext) -> VllmEngine:
+    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+
+    r = ctx.cfg.rollout
+    settings = VllmSettings(
+        dtype=ctx.cfg.model.dtype if r.vllm_dtype == "auto" else r.vllm_dtype,
+        max_model_len=r.vllm_max_model_len,
+        max_num_seqs=r.max_batch_size,
+        kv_cache_gib=r.vllm_kv_cache_gib,
+        enforce_eager=r.vllm_enforce_eager,
+        enable_prefix_caching=r.vllm_prefix_caching,
+        in_process=r.vllm_in_process,
+        seed=ctx.cfg.run.seed,
+        extra=dict(r.vllm_engine_kwargs),
+    )
+    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
+    return VllmEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
 
 
 def sampling_params(ctx: RunContext) -> SamplingParams:
@@ -61,7 +155,7 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
     a = ctx.cfg.algorithm
     torch.manual_seed(ctx.cfg.run.seed)
     model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype)
-    settings = LossSettings(a.clip_eps_low, a.clip_eps_high, a.kl_coef, a.tis_cap, a.loss_agg)
+    settings = loss_settings(ctx.cfg)
     learner = Learner(
         model,
         pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
@@ -76,8 +170,25 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
     )
     return BatchTrainer(
         learner,
-        skip_zero_advantage=a.skip_zero_advantage and a.kl_coef == 0,
+        # A zero-advantage sample still has a gradient when KL or entropy is in the loss.
+        skip_zero_advantage=a.skip_zero_advantage
+        and not settings.kl_in_loss
+        and settings.entropy_coef == 0,
         max_staleness=ctx.cfg.rollout.max_staleness,
+    )
+
+
+def make_critic(ctx: RunContext):
+    from streamrl.critic.service import Critic, load_value_model
+
+    c = ctx.cfg.critic
+    torch.manual_seed(ctx.cfg.run.seed)
+    return Critic(
+        load_value_model(ctx.policy_dir, ctx.cfg.model.dtype),
+        pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
+        lr=c.lr,
+        value_clip=c.value_clip,
+        grad_clip=c.grad_clip,
     )
 
 

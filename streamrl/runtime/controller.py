@@ -27,6 +27,7 @@ from streamrl.metrics import (
     write_summary,
 )
 from streamrl.runtime.context import make_run_dir, prepare
+from streamrl.runtime.errors import TrainerLost
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
 from streamrl.trainer.sft import cached_policy_dir, ensure_policy_dir
@@ -57,6 +58,8 @@ class RecordSink:
             if busy is not None:
                 metrics[f"time/{role}_busy_s"] = busy - self._role_busy.get(role, 0.0)
                 self._role_busy[role] = busy
+            if role == "critic" and stats.get("value_loss") == stats.get("value_loss"):  # not NaN
+                metrics["critic/value_loss"] = stats["value_loss"]
         if "eval/accuracy" in metrics:
             self.last_eval = metrics["eval/accuracy"]
             if self.first_eval is None:
@@ -115,25 +118,51 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             ) as advance:
                 policy_dir = ensure_policy_dir(cfg, progress=lambda _desc, _total: advance)
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
-        start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
         if resume is not None and checkpoint is None:
             log.warning("no checkpoint in %s: starting from step 0", run_dir)
-        ctx = prepare(cfg, policy_dir, run_dir, checkpoint)
-        tracker = MetricsTracker(
-            run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
-        )
-        if start_step:
-            tracker.truncate_from(start_step + 1)
-            truncate_samples_log(run_dir, start_step + 1)
-        progress = RunProgress(
-            cfg.trainer.steps,
-            enabled=cfg.run.progress,
-            start_step=start_step,
-            description=f"RL ({cfg.runtime.mode})",
-        )
-        sink = RecordSink(run_dir, tracker, progress)
-        with progress:
-            role_stats = _run_mode(ctx, sink, start_step)
+        first_start = read_state(checkpoint)["next_step"] if checkpoint else 0
+        trainer_restarts = 0
+        sink: RecordSink | None = None
+        while True:
+            start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
+            ctx = prepare(cfg, policy_dir, run_dir, checkpoint)
+            tracker = MetricsTracker(
+                run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
+            )
+            if start_step or trainer_restarts:
+                tracker.truncate_from(start_step + 1)
+                truncate_samples_log(run_dir, start_step + 1)
+            progress = RunProgress(
+                cfg.trainer.steps,
+                enabled=cfg.run.progress,
+                start_step=start_step,
+                description=f"RL ({cfg.runtime.mode})",
+            )
+            if sink is None:
+                sink = RecordSink(run_dir, tracker, progress)
+            else:  # after a trainer restart: keep the first evaluation and the counters
+                sink.tracker, sink.progress, sink._last_time = tracker, progress, None
+            try:
+                with progress:
+                    role_stats = _run_mode(ctx, sink, start_step)
+                break
+            except TrainerLost as e:
+                tracker.close()
+                if trainer_restarts >= cfg.runtime.max_restarts:
+                    raise RuntimeError(
+                        f"{e}; restart budget (runtime.max_restarts={cfg.runtime.max_restarts}) spent"
+                    ) from e
+                trainer_restarts += 1
+                checkpoint = latest_checkpoint(run_dir)
+                log.warning(
+                    "%s: resuming from %s (trainer restart %d/%d)",
+                    e,
+                    checkpoint or "the start",
+                    trainer_restarts,
+                    cfg.runtime.max_restarts,
+                )
+        start_step = first_start
+        role_stats["trainer_restarts"] = trainer_restarts
         rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
         tracker.close()
     finally:
@@ -197,4 +226,6 @@ def _summary(
         "num_malformed_dataset_rows": malformed,
         "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),
         "rollout_busy_fraction": (rollout_busy / rl_wall) if rollout_busy is not None else None,
+        "role_restarts": role_stats.get("restarts", {}),
+        "trainer_restarts": role_stats.get("trainer_restarts", 0),
     }

@@ -14,7 +14,13 @@ from typing import Any
 
 from streamrl.bus.local import LocalBus
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import active_roles, build_role, bus_capacity_groups, stall_message
+from streamrl.runtime.roles import (
+    active_roles,
+    build_role,
+    bus_capacity_groups,
+    bus_consumers,
+    stall_message,
+)
 from streamrl.weights.dcs import InProcessWeights
 
 
@@ -27,7 +33,7 @@ def run_inline(
 async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
     bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
     consumers = active_roles(ctx)
-    for consumer in consumers:
+    for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     weights = InProcessWeights()
     trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)

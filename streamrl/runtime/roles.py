@@ -24,8 +24,22 @@ CONSUMERS = ("rollout", "reward", "advantage", "trainer")
 
 
 def active_roles(ctx: RunContext) -> tuple[str, ...]:
-    """The consuming roles of this run: the reference role only when the loss has a KL term."""
-    return CONSUMERS + (("reference",) if ctx.cfg.algorithm.kl_coef > 0 else ())
+    """The consuming roles of this run: reference only with a KL term, pi_old only for
+    decoupled PPO, the critic only for GAE."""
+    a = ctx.cfg.algorithm
+    optional = (
+        ("reference", a.kl_coef > 0),
+        ("logp", a.proximal == "pi_old"),
+        ("critic", a.advantage == "gae"),
+    )
+    return CONSUMERS + tuple(name for name, wanted in optional if wanted)
+
+
+def bus_consumers(ctx: RunContext) -> tuple[str, ...]:
+    """Consumer names to register on the bus: one per role, two for the critic (it scores new
+    responses and, separately, trains on returns)."""
+    roles = active_roles(ctx)
+    return roles + (("critic_train",) if "critic" in roles else ())
 
 
 class FeederRole:
@@ -60,7 +74,7 @@ def stall_message(ctx: RunContext, role_stats: dict[str, Any], bus_stats: dict[s
 def bus_capacity_groups(ctx: RunContext) -> int:
     """At most (max_staleness + 1) batches of prompts in flight."""
     r = ctx.cfg.rollout
-    return (r.max_staleness + 1) * r.batch_prompts
+    return (r.max_staleness + 1) * C.prompts_per_batch(ctx.cfg)
 
 
 def build_role(
@@ -76,7 +90,7 @@ def build_role(
 
 def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
     cfg, rt = ctx.cfg, ctx.cfg.runtime
-    group_rows = cfg.rollout.batch_prompts * cfg.rollout.group_size
+    group_rows = C.prompts_per_batch(cfg) * cfg.rollout.group_size
     if name == "feeder":
         return FeederRole(
             bus, C.make_feeder(ctx), start_batch=start_step, end_batch=cfg.trainer.steps
@@ -114,9 +128,40 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_rows=group_rows,
             lease_s=rt.lease_s,
         )
+    if name == "logp":
+        from streamrl.models.loading import load_causal_lm
+        from streamrl.reference.service import LogpRole
+
+        return LogpRole(
+            bus,
+            weights,
+            load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype),
+            pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
+            temperature=cfg.rollout.temperature,
+            max_rows=group_rows,
+            lease_s=rt.lease_s,
+        )
+    if name == "critic":
+        from streamrl.critic.service import CriticRole
+
+        return CriticRole(
+            bus,
+            weights,
+            C.make_critic(ctx),
+            groups_per_batch=C.prompts_per_batch(cfg),
+            max_staleness=cfg.rollout.max_staleness,
+            max_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
+            lease_s=rt.lease_s,
+        )
     if name == "advantage":
         return AdvantageRole(
-            bus, std_eps=cfg.algorithm.std_eps, max_rows=group_rows, lease_s=rt.lease_s
+            bus,
+            weights,
+            C.advantage_settings(cfg),
+            groups_per_batch=C.prompts_per_batch(cfg),
+            max_staleness=cfg.rollout.max_staleness,
+            max_rows=group_rows,
+            lease_s=rt.lease_s,
         )
     if name == "trainer":
         return build_trainer(ctx, bus, weights, start_step=start_step, checkpoint=ctx.checkpoint)
@@ -168,8 +213,8 @@ def build_trainer(
         bus,
         weights,
         batch_trainer,
-        with_reference=cfg.algorithm.kl_coef > 0,
-        batch_prompts=cfg.rollout.batch_prompts,
+        extra_fields=C.trainer_extra_fields(cfg),
+        batch_prompts=C.prompts_per_batch(cfg),
         micro_batch_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
         lease_s=cfg.runtime.lease_s,
         start_step=start_step,

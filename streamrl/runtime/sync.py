@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from streamrl.api import fields as F
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.reference.service import reference_fields
 from streamrl.reward.service import score_rows
@@ -18,6 +19,7 @@ from streamrl.rollout.service import result_fields, to_requests
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import advantage_fields
+from streamrl.trainer.algos.shaping import RewardNormaliser
 from streamrl.trainer.checkpoint import load_checkpoint
 from streamrl.trainer.hooks import TrainerHooks
 
@@ -38,6 +40,11 @@ def run_sync(
     reference = (
         load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype) if cfg.algorithm.kl_coef > 0 else None
     )
+    adv_settings = C.advantage_settings(cfg)
+    reward_norm = (
+        RewardNormaliser(adv_settings.reward_norm_momentum) if adv_settings.reward_norm else None
+    )
+    critic = C.make_critic(ctx) if cfg.algorithm.advantage == "gae" else None
     params = C.sampling_params(ctx)
     micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
     rollout_s = 0.0
@@ -65,10 +72,18 @@ def run_sync(
                         temperature=cfg.rollout.temperature,
                     ),
                 )
-            _merge(rows, advantage_fields(rows, cfg.algorithm.std_eps))
+            if cfg.algorithm.proximal == "pi_old":  # the pi_old role's job, at this version
+                _merge(rows, _old_logprobs(trainer.learner, rows, tokenizer.pad_token_id, cfg))
+            if critic is not None:
+                _merge(rows, critic.values(rows))
+            _merge(rows, advantage_fields(rows, adv_settings, reward_norm))
             for start in range(0, len(rows), micro):
                 trainer.train_microbatch(rows[start : start + micro])
             record = trainer.finish()
+            if critic is not None:
+                for start in range(0, len(rows), micro):
+                    critic.accumulate(rows[start : start + micro])
+                record["metrics"].update(critic.step())
             engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
             record["metrics"]["time/step_s"] = time.perf_counter() - started
             record["roles"] = {"rollout": {"busy_s": rollout_s}}
@@ -76,6 +91,16 @@ def run_sync(
     finally:
         scorer.close()
     return {"rollout": {"busy_s": rollout_s}, "train_wall_s": time.perf_counter() - loop_started}
+
+
+def _old_logprobs(learner, rows, pad_token_id: int, cfg) -> dict[str, dict[str, Any]]:
+    out = reference_fields(
+        learner.model, rows, pad_token_id=pad_token_id, temperature=cfg.rollout.temperature
+    )
+    return {
+        k: {F.OLD_LOGPROBS: v[F.REF_LOGPROBS], F.OLD_VERSION: learner.version}
+        for k, v in out.items()
+    }
 
 
 def _merge(rows: list[dict[str, Any]], updates: dict[str, dict[str, Any]]) -> None:

@@ -1,54 +1,210 @@
-"""The advantage role: claims whole groups once every sample is scored, writes GRPO advantages.
+"""The advantage role: turns the rewards of complete groups into advantages.
 
-Only samples with a reward (status ok, or invalid_output with an explicit penalty) enter the
-group baseline; the others get advantage 0 and are left out of training by the trainer.
+Per group it shapes the rewards (DAPO overlong penalty, KL in the reward, clipping, online
+normalisation), applies dynamic sampling (a group whose rewards are all equal is dropped:
+advantage None), and runs the configured estimator (`algos/advantages.py`). Sequence-level
+estimators write one float per sample; REINFORCE++ and GAE write one per response token, and GAE
+also writes the `returns` the critic learns from.
+
+Estimators with batch statistics (batch-scaled GRPO, REINFORCE++, GAE whitening, online reward
+normalisation) wait for the whole batch; the others handle each group as soon as it is scored.
+Only samples with a reward enter the baseline; the others get advantage 0 and the trainer drops
+them with their reward status.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from streamrl.api import fields as F
+from streamrl.bus.batches import BatchCollector
 from streamrl.bus.transform import TransformRole
-from streamrl.trainer.algos.grpo import group_advantages
+from streamrl.trainer.algos import advantages as A
+from streamrl.trainer.algos import shaping
+from streamrl.trainer.algos.losses import kl_estimate
 
 CONSUMER = "advantage"
+TOKEN_LEVEL = ("reinforce_pp", "gae")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    estimator: str = "grpo"
+    scale: str = "group"
+    std_unbiased: bool = True
+    std_eps: float = 1e-4
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_in_reward_coef: float = 0.0
+    kl_estimator: str = "k1"
+    overlong_cache: int | None = None
+    max_new_tokens: int = 0
+    dynamic_sampling: bool = False
+    reward_clip: float | None = None
+    reward_norm: bool = False
+    reward_norm_momentum: float = 0.9
+
+    @property
+    def whole_batch(self) -> bool:
+        """True when the estimator needs statistics over the whole batch."""
+        if self.reward_norm or self.estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+            return True
+        return self.estimator == "grpo" and self.scale == "batch"
+
+    def consumes(self) -> tuple[str, ...]:
+        fields = [F.REWARD, F.RESPONSE_IDS, F.ROLLOUT_LOGPROBS]
+        if self.kl_in_reward_coef > 0:
+            fields.append(F.REF_LOGPROBS)
+        if self.estimator == "gae":
+            fields.append(F.VALUES)
+        return tuple(fields)
+
+
+def _padded(seqs: Sequence[Any], width: int) -> torch.Tensor:
+    out = torch.zeros(len(seqs), width, dtype=torch.float64)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.float64))
+    return out
 
 
 def advantage_fields(
-    rows: Sequence[Mapping[str, Any]], std_eps: float
+    rows: Sequence[Mapping[str, Any]],
+    settings: AdvantageSettings,
+    normaliser: shaping.RewardNormaliser | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Advantages for rows holding one or more complete groups."""
-    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    """Advantages (and GAE returns) for rows holding one or more complete groups."""
+    s = settings
+    by_group: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[r["group_id"]].append(r)
-    updates: dict[str, dict[str, Any]] = {}
-    for members in groups.values():
+        by_group[r["group_id"]].append(r)
+    # Every row gets every output field (the critic waits for `returns` on each row it acks).
+    default = {F.ADVANTAGES: 0.0} | ({F.RETURNS: None} if s.estimator == "gae" else {})
+    updates: dict[str, dict[str, Any]] = {r["sample_id"]: dict(default) for r in rows}
+    kept: list[Mapping[str, Any]] = []
+    for members in by_group.values():
         scored = [r for r in members if r[F.REWARD] is not None]
-        adv = (
-            group_advantages(torch.tensor([float(r[F.REWARD]) for r in scored]), std_eps=std_eps)
-            if scored
-            else []
+        if s.dynamic_sampling and not shaping.informative([float(r[F.REWARD]) for r in scored]):
+            for r in scored:
+                updates[r["sample_id"]][F.ADVANTAGES] = None
+            continue
+        kept.extend(scored)
+    if not kept:
+        return updates
+
+    lengths = [len(r[F.RESPONSE_IDS]) for r in kept]
+    width = max(max(lengths), 1)
+    mask_bt = _padded([np.ones(n) for n in lengths], width)
+    rewards_b = torch.tensor([float(r[F.REWARD]) for r in kept], dtype=torch.float64)
+    if s.overlong_cache is not None:
+        rewards_b += torch.tensor(
+            [
+                shaping.overlong_penalty(n, max_len=s.max_new_tokens, cache_len=s.overlong_cache)
+                for n in lengths
+            ],
+            dtype=torch.float64,
         )
-        for r, a in zip(scored, adv, strict=True):
-            updates[r["sample_id"]] = {F.ADVANTAGES: float(a)}
-        for r in members:
-            updates.setdefault(r["sample_id"], {F.ADVANTAGES: 0.0})
+    rewards_b = shaping.clip_rewards(rewards_b, s.reward_clip)
+    if normaliser is not None:
+        rewards_b = normaliser(rewards_b)
+    kl_bt = None
+    if s.kl_in_reward_coef > 0:
+        behav_bt = _padded([r[F.ROLLOUT_LOGPROBS] for r in kept], width)
+        ref_bt = _padded([r[F.REF_LOGPROBS] for r in kept], width)
+        kl_bt = kl_estimate(behav_bt, ref_bt, s.kl_estimator) * mask_bt
+    group_b = torch.tensor(_group_indices(kept))
+
+    if s.estimator in TOKEN_LEVEL:
+        token_rewards = A.outcome_token_rewards(rewards_b, mask_bt, kl_bt, s.kl_in_reward_coef)
+        if s.estimator == "reinforce_pp":
+            adv_bt = A.masked_whiten(A.returns_to_go(token_rewards), mask_bt, s.std_eps)
+            returns_bt = None
+        else:
+            values_bt = _padded([r[F.VALUES] for r in kept], width)
+            adv_bt, returns_bt = A.gae(token_rewards, values_bt, mask_bt, gamma=s.gamma, lam=s.lam)
+            adv_bt = A.masked_whiten(adv_bt, mask_bt, s.std_eps)
+        for i, r in enumerate(kept):
+            n = lengths[i]
+            update = {F.ADVANTAGES: adv_bt[i, :n].numpy().astype(np.float32)}
+            if returns_bt is not None:
+                update[F.RETURNS] = returns_bt[i, :n].numpy().astype(np.float32)
+            updates[r["sample_id"]] = update
+        return updates
+
+    if kl_bt is not None:
+        rewards_b = rewards_b - s.kl_in_reward_coef * kl_bt.sum(-1)
+    if s.estimator == "grpo":
+        adv_b = A.grpo_advantages(
+            rewards_b, group_b, scale=s.scale, unbiased=s.std_unbiased, eps=s.std_eps
+        )
+    elif s.estimator == "rloo":
+        adv_b = A.rloo_advantages(rewards_b, group_b)
+    elif s.estimator == "reinforce_pp_baseline":
+        adv_b = A.reinforce_pp_baseline_advantages(rewards_b, group_b, eps=s.std_eps)
+    else:
+        raise ValueError(f"unknown advantage estimator {s.estimator!r}")
+    for r, a in zip(kept, adv_b.tolist(), strict=True):
+        updates[r["sample_id"]] = {F.ADVANTAGES: float(a)}
     return updates
+
+
+def _group_indices(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    index: dict[str, int] = {}
+    return [index.setdefault(r["group_id"], len(index)) for r in rows]
 
 
 class AdvantageRole(TransformRole):
     consumer = CONSUMER
-    consumes = (F.REWARD,)
     sampler = "group"
 
-    def __init__(self, bus, *, std_eps: float, max_rows: int, lease_s: float):
+    def __init__(
+        self,
+        bus,
+        weights,
+        settings: AdvantageSettings,
+        *,
+        groups_per_batch: int,
+        max_staleness: int,
+        max_rows: int,
+        lease_s: float,
+    ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
-        self.std_eps = std_eps
+        self.settings = settings
+        self.consumes = settings.consumes()
+        self.normaliser = (
+            shaping.RewardNormaliser(settings.reward_norm_momentum)
+            if settings.reward_norm
+            else None
+        )
+        self.batches = BatchCollector(
+            bus,
+            weights,
+            consumer=CONSUMER,
+            fields=self.consumes,
+            groups_per_batch=groups_per_batch,
+            max_staleness=max_staleness,
+            max_rows=max_rows,
+            lease_s=lease_s,
+        )
 
     def compute(self, rows):
-        return advantage_fields(rows, self.std_eps)
+        return advantage_fields(rows, self.settings, self.normaliser)
+
+    def step(self) -> bool:
+        if not self.settings.whole_batch:
+            return super().step()
+        complete = self.batches.poll(wait_s=self.claim_wait_s)
+        if complete is None:
+            return self.batches.claimed
+        b, rows = complete
+        start = time.perf_counter()
+        self.bus.write(self.compute(rows))
+        self.batches.ack_batch(b)
+        self.busy_s += time.perf_counter() - start
+        return True

@@ -8,6 +8,7 @@ which order they arrived. The trainer role and the synchronous loop both drive t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,8 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamrl.trainer.algos.grpo import LossSettings, loss_normaliser, policy_loss_sum
+from streamrl.trainer.algos.losses import batch_normaliser
+from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.logprobs import pack, response_logprobs
+
+log = logging.getLogger(__name__)
+
+# Statistics reported per step as means over the step's tokens.
+STAT_MEANS = (
+    "is_weight_mean",
+    "is_truncated_frac",
+    "clip_frac",
+    "kl_mean",
+    "entropy_mean",
+    "stale_masked_frac",
+)
 
 
 class Learner:
@@ -68,60 +82,83 @@ class Learner:
     def accumulate(
         self, rows: Sequence[Mapping[str, Any]], *, num_skipped_tokens: float = 0.0
     ) -> None:
-        """Forward and backward one micro-batch; `num_skipped_tokens` counts rows left out of it
-        (zero advantage) that still belong in the normaliser."""
+        """Forward and backward one micro-batch; `num_skipped_tokens` is the normaliser share of
+        rows left out of it (zero advantage) that still belong in the normaliser."""
         self._normaliser += num_skipped_tokens
         if not rows:
             return
         self.model.train()
+        s = self.settings
         batch = pack(
             [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], self.pad_token_id
         )
         mask_bt = batch.response_mask_br
-        logprobs_bt = response_logprobs(self.model, batch, self.temperature)
-        rollout_bt = _pad_like(mask_bt, [r["rollout_logprobs"] for r in rows])
-        advantages_b = torch.tensor([float(r["advantages"]) for r in rows])
-        ref_bt = None
-        if self.settings.kl_coef > 0:
-            ref_bt = _pad_like(mask_bt, [r["ref_logprobs"] for r in rows])
+        with_entropy = s.entropy_coef > 0
+        out = response_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+        logprobs_bt, entropy_bt = out if with_entropy else (out, None)
         loss_sum, stats = policy_loss_sum(
-            logprobs_bt, rollout_bt, advantages_b, mask_bt, self.settings, ref_bt
+            logprobs_bt,
+            _pad_like(mask_bt, [r["rollout_logprobs"] for r in rows]),
+            _advantages(mask_bt, [r["advantages"] for r in rows]),
+            mask_bt,
+            s,
+            prox_bt=_pad_like(mask_bt, [r["old_logprobs"] for r in rows])
+            if "old_logprobs" in rows[0]
+            else None,
+            ref_bt=_pad_like(mask_bt, [r["ref_logprobs"] for r in rows]) if s.kl_in_loss else None,
+            entropy_bt=entropy_bt,
+            versions_bt=_pad_like(mask_bt, [r["versions"] for r in rows])
+            if "versions" in rows[0]
+            else None,
+            trainer_version=self.version,
         )
         loss_sum.backward()
-        self._normaliser += loss_normaliser(mask_bt, self.settings.loss_agg)
+        self._normaliser += batch_normaliser(mask_bt, s.loss_agg, s.loss_agg_constant)
         self._loss_sum += float(loss_sum.detach())
         for key, value in stats.items():
-            weight = stats["num_tokens"] if key.endswith("_mean") or key.endswith("_frac") else 1.0
-            self._stats[key] = self._stats.get(key, 0.0) + value * weight
+            self._stats[key] = self._stats.get(key, 0.0) + value
 
     def step(self) -> dict[str, float]:
-        """Apply the accumulated gradient; returns the step's loss and statistics."""
-        scale = 1.0 / max(self._normaliser, 1.0)
+        """Apply the accumulated gradient; returns the step's loss and statistics.
+
+        Under data parallelism the normaliser is summed over ranks, and the gradients were
+        averaged over ranks by the data-parallel wrapper (the DDP and FSDP2 default), so the
+        scale is world_size / global normaliser: every rank ends with the full-batch gradient."""
+        normaliser, world = self._normaliser, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            total = torch.tensor([normaliser], dtype=torch.float64)
+            torch.distributed.all_reduce(total)
+            normaliser, world = float(total), torch.distributed.get_world_size()
+        scale = world / normaliser if normaliser > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-        grad_norm = 0.0
-        if self.grad_clip is not None:
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.grad_clip if self.grad_clip is not None else math.inf
             )
+        )
         lr = self.lr_at(self.version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:  # one bad batch must not poison the weights: skip the update, say so
+            log.warning("non-finite gradient norm at version %d: update skipped", self.version)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         tokens = max(self._stats.get("num_tokens", 0.0), 1.0)
         out = {
-            "loss": self._loss_sum * scale,
+            "loss": self._loss_sum * scale / world,  # this rank's share of the loss
             "grad_norm": grad_norm,
-            "is_weight_mean": self._stats.get("is_weight_mean", 0.0) / tokens,
-            "is_truncated_frac": self._stats.get("is_truncated_frac", 0.0) / tokens,
-            "kl_mean": self._stats.get("kl_mean", 0.0) / tokens,
-            "logprob_mismatch": self._stats.get("mismatch_abs_sum", 0.0) / tokens,
-            "trained_tokens": self._stats.get("num_tokens", 0.0),
             "lr": lr,
+            "skipped_nonfinite": float(skipped),
+            "trained_tokens": self._stats.get("num_tokens", 0.0),
+            "logprob_mismatch": self._stats.get("mismatch_abs_sum", 0.0) / tokens,
         }
+        for key in STAT_MEANS:
+            out[key] = self._stats.get(key, 0.0) / tokens
         self._reset_step()
         return out
 
@@ -140,6 +177,19 @@ class Learner:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+def _advantages(mask_bt: torch.Tensor, values: Sequence[Any]) -> torch.Tensor:
+    """`[B]` when every advantage is a float, else `[B, T]` (per-token advantages)."""
+    if all(np.ndim(v) == 0 for v in values):
+        return torch.tensor([float(v) for v in values])
+    return _pad_like(
+        mask_bt,
+        [
+            np.full(int(m.sum()), v) if np.ndim(v) == 0 else v
+            for v, m in zip(values, mask_bt, strict=True)
+        ],
+    )
 
 
 def _pad_like(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:

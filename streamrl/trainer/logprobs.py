@@ -50,8 +50,13 @@ def _ids(seq: Sequence[int]) -> torch.Tensor:
     return torch.tensor(np.asarray(seq, dtype=np.int64))
 
 
-def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs `[B, R]` of each response token (zeros on padding); keeps the autograd graph."""
+def response_logprobs(
+    model, batch: PackedBatch, temperature: float = 1.0, *, with_entropy: bool = False
+):
+    """Log-probs `[B, R]` of each response token (zeros on padding); keeps the autograd graph.
+
+    With `with_entropy`, returns (log-probs, entropies) where entropies `[B, R]` are those of the
+    full temperature-scaled distributions the tokens were drawn from."""
     position_ids = (batch.attention_mask_bt.cumsum(-1) - 1).clamp(min=0)
     width_r = batch.response_ids_br.shape[1]
     logits = model(
@@ -67,4 +72,8 @@ def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> to
         logits_br = logits_br / temperature
     logp_brv = torch.log_softmax(logits_br, dim=-1)
     logp_br = logp_brv.gather(-1, batch.response_ids_br.unsqueeze(-1)).squeeze(-1)
-    return logp_br * batch.response_mask_br
+    logp_br = logp_br * batch.response_mask_br
+    if not with_entropy:
+        return logp_br
+    entropy_br = -(logp_brv.exp() * logp_brv).sum(-1) * batch.response_mask_br
+    return logp_br, entropy_br

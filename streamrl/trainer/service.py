@@ -43,6 +43,11 @@ def samples_digest(rows: Sequence[Mapping[str, Any]]) -> str:
     return h.hexdigest()[:16]
 
 
+def is_zero(advantage: Any) -> bool:
+    """True for a zero advantage, scalar or per token."""
+    return not np.any(np.asarray(advantage, dtype=np.float64))
+
+
 class BatchTrainer:
     """Micro-batch accounting for one optimizer step; shared by the trainer role and the sync loop."""
 
@@ -72,18 +77,19 @@ class BatchTrainer:
             if self.max_staleness is not None and staleness > self.max_staleness:
                 self.dropped["stale"] += 1
                 continue
+            if not np.isfinite(np.asarray(r[F.ROLLOUT_LOGPROBS], dtype=np.float64)).all():
+                self.dropped["nonfinite_logprobs"] += 1  # an engine fault; never train on it
+                continue
+            if r[F.ADVANTAGES] is None:  # dynamic sampling: a group with no signal
+                self.dropped["zero_variance"] += 1
+                continue
             self.trained_ids.append(r["sample_id"])
-            if self.skip_zero_advantage and float(r[F.ADVANTAGES]) == 0.0:
-                skipped_tokens += self._normaliser_share(r)
+            if self.skip_zero_advantage and is_zero(r[F.ADVANTAGES]):
+                skipped_tokens += self.learner.settings.normaliser_share(len(r[F.RESPONSE_IDS]))
             else:
                 trainable.append(r)
         self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
         self.busy_s += time.perf_counter() - start
-
-    def _normaliser_share(self, row: Mapping[str, Any]) -> float:
-        if self.learner.settings.loss_agg == "token_mean":
-            return float(len(row[F.RESPONSE_IDS]))
-        return 1.0
 
     def finish(self) -> dict[str, Any]:
         """Optimizer step; returns the step's metrics and the ids it trained."""
@@ -115,7 +121,7 @@ class BatchTrainer:
         for reason, n in self.dropped.items():
             metrics[f"samples/dropped_{reason}"] = n
         metrics["samples/zero_advantage_frac"] = sum(
-            float(r[F.ADVANTAGES]) == 0.0 for r in rows
+            r[F.ADVANTAGES] is not None and is_zero(r[F.ADVANTAGES]) for r in rows
         ) / max(len(rows), 1)
         metrics["time/trainer_busy_s"] = self.busy_s
         trained_ids = self.trained_ids
@@ -131,7 +137,7 @@ class TrainerRole:
         weights,
         batch_trainer: BatchTrainer,
         *,
-        with_reference: bool = False,
+        extra_fields: Sequence[str] = (),
         batch_prompts: int,
         micro_batch_rows: int,
         lease_s: float,
@@ -140,7 +146,7 @@ class TrainerRole:
         self.bus = bus
         self.weights = weights
         self.trainer = batch_trainer
-        self.fields = TRAIN_FIELDS + ([F.REF_LOGPROBS] if with_reference else [])
+        self.fields = TRAIN_FIELDS + list(extra_fields)
         self.batch_prompts = batch_prompts
         self.micro_batch_rows = micro_batch_rows
         self.lease_s = lease_s

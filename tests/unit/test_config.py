@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from streamrl.cli import main
 from streamrl.config import Config, ConfigError, dump_yaml, load_config
+from streamrl.config.presets import PRESETS
 
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
@@ -227,3 +228,36 @@ def test_cli_bad_override_returns_2_and_names_the_key(
     captured = capsys.readouterr()
     assert "rollout.max_stalenes" in captured.err
     assert captured.out == ""
+
+
+# -- algorithm presets ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_preset_fills_its_values(name: str) -> None:
+    cfg = load_config([f"algorithm.preset={name}"])
+    for key, value in PRESETS[name].items():
+        assert getattr(cfg.algorithm, key) == value, key
+
+
+def test_explicit_values_override_the_preset(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  preset: dapo\n  clip_eps_high: 0.4\n")
+    cfg = load_config([str(path), "algorithm.dynamic_sampling=false"])
+    assert cfg.algorithm.clip_eps_high == 0.4
+    assert cfg.algorithm.dynamic_sampling is False
+    assert cfg.algorithm.overlong_cache == PRESETS["dapo"]["overlong_cache"]
+
+
+def test_default_is_the_grpo_preset() -> None:
+    assert load_config([]).algorithm == load_config(["algorithm.preset=grpo"]).algorithm
+
+
+def test_unknown_preset_lists_the_presets() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm.preset = 'ppo2'.*'dapo'.*'rloo'"):
+        load_config(["algorithm.preset=ppo2"])
+
+
+def test_kl_in_reward_needs_a_kl_coefficient() -> None:
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        load_config(["algorithm.kl_in_reward=true"])

@@ -1,0 +1,83 @@
+"""Collecting whole batches from the bus, for roles that need all of a batch at once.
+
+A batch is complete when every one of its groups has been claimed. Batches complete in any
+order (the rows of batch k+1 may be ready before those of batch k), so claimed rows are kept per
+batch until their batch is complete; then the caller writes its outputs and `ack_batch` acks
+exactly that batch's rows (rows of other batches that shared a lease become claimable again and
+are claimed anew). The only bound used is the trainer's version v: admission control keeps
+every live batch at or below v + max_staleness. Nothing else is remembered, so a role restarted
+after a crash picks up wherever the pipeline is, with no saved state.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class BatchCollector:
+    def __init__(
+        self,
+        bus,
+        weights,
+        *,
+        consumer: str,
+        fields: Sequence[str],
+        groups_per_batch: int,
+        max_staleness: int,
+        max_rows: int,
+        lease_s: float,
+    ):
+        self.bus = bus
+        self.weights = weights
+        self.consumer = consumer
+        self.fields = tuple(fields)
+        self.groups_per_batch = groups_per_batch
+        self.max_staleness = max_staleness
+        self.max_rows = max_rows
+        self.lease_s = lease_s
+        self.claimed = False
+        # batch -> rows held; lease id -> (batch -> sample ids of that lease)
+        self._rows: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+        self._leases: dict[str, dict[int, list[str]]] = {}
+
+    def poll(self, wait_s: float = 0.0) -> tuple[int, list[Mapping[str, Any]]] | None:
+        """Claim what is ready; return (batch index, rows) of the oldest complete batch, or None.
+        `claimed` tells whether this call took any rows."""
+        top = max(self.weights.latest_version(), 0) + self.max_staleness
+        lease = self.bus.claim(
+            self.consumer,
+            self.fields,
+            self.max_rows,
+            sampler="group",
+            where={"batch_index": ("<=", top)},
+            lease_s=self.lease_s,
+            wait_s=wait_s,
+        )
+        self.claimed = lease is not None
+        if lease is not None:
+            by_batch: dict[int, list[str]] = defaultdict(list)
+            for row in lease.rows:
+                self._rows[row["batch_index"]].append(row)
+                by_batch[row["batch_index"]].append(row["sample_id"])
+            self._leases[lease.lease_id] = dict(by_batch)
+        for b in sorted(self._rows):
+            if len({r["group_id"] for r in self._rows[b]}) >= self.groups_per_batch:
+                return b, list(self._rows[b])
+        return None
+
+    def ack_batch(self, b: int) -> None:
+        """Ack batch `b`'s rows; rows of other batches in the same leases go back to the bus."""
+        for lease_id, by_batch in list(self._leases.items()):
+            if b not in by_batch:
+                continue
+            self.bus.ack(lease_id, by_batch[b])
+            del self._leases[lease_id]
+            for other, sample_ids in by_batch.items():
+                if other != b:
+                    gone = set(sample_ids)
+                    self._rows[other] = [r for r in self._rows[other] if r["sample_id"] not in gone]
+                    if not self._rows[other]:
+                        del self._rows[other]
+        del self._rows[b]

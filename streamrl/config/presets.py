@@ -1,0 +1,61 @@
+"""Algorithm presets: one key (`algorithm.preset`) selects a published recipe.
+
+A preset only fills in the `algorithm` fields the user did not set, so every knob stays
+overridable (`algorithm.preset=dapo algorithm.clip_eps_high=0.3`). The field defaults of
+`AlgorithmConfig` are the `grpo` preset. Values follow `shared/ALGORITHMS.md`; where a paper's
+setting needs a model or a scale this project does not have, the table says what was chosen.
+
+| preset | advantage | policy loss | aggregation | KL | extras |
+| --- | --- | --- | --- | --- | --- |
+| grpo | group z-score (unbiased std + 1e-4) | PPO clip 0.2/0.2 | token mean | none | |
+| dapo | group z-score | clip-higher 0.2/0.28 | token mean | none | dynamic sampling, soft overlong penalty |
+| dr_grpo | group mean only | PPO clip 0.2/0.2 | constant (max length) | none | |
+| rloo | leave-one-out | PPO clip 0.2/0.2 | sequence mean of token sums | k1 in the reward, 0.03 | |
+| reinforce_pp | return-to-go, batch z-score | PPO clip 0.2/0.2 | token mean | k1 in the reward, 0.01 | |
+| gspo | group z-score | sequence ratio, clip 3e-4/4e-4 | sequence mean of token means | none | |
+| ppo | GAE (gamma 1, lambda 0.95) with a critic | PPO clip 0.2/0.2 | token mean | none | critic role |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dapo": {
+        "clip_eps_high": 0.28,
+        "dynamic_sampling": True,
+        "overlong_cache": 4,
+    },
+    "dr_grpo": {"adv_scale": "none", "loss_agg": "constant"},
+    "rloo": {
+        "advantage": "rloo",
+        "loss_agg": "seq_mean_token_sum",
+        "kl_coef": 0.03,
+        "kl_estimator": "k1",
+        "kl_in_reward": True,
+    },
+    "reinforce_pp": {
+        "advantage": "reinforce_pp",
+        "kl_coef": 0.01,
+        "kl_estimator": "k1",
+        "kl_in_reward": True,
+    },
+    "gspo": {
+        "policy_loss": "gspo",
+        "clip_eps_low": 3e-4,
+        "clip_eps_high": 4e-4,
+        "loss_agg": "seq_mean_token_mean",
+    },
+    "ppo": {"advantage": "gae"},
+}
+
+
+def apply_preset(data: Any) -> Any:
+    """Fill the preset's values into a raw `algorithm` mapping wherever the user left a key out."""
+    if not isinstance(data, dict):
+        return data
+    name = data.get("preset", "grpo")
+    if name not in PRESETS:
+        return data  # the Literal check on `preset` reports it with the allowed names
+    return {**PRESETS[name], **data}

@@ -1,0 +1,189 @@
+"""The critic role: a value model for PPO, scoring responses and learning from GAE returns.
+
+The value model is the policy's own architecture with a one-output token-classification head
+(`AutoModelForTokenClassification`, `num_labels=1`), initialised from the policy directory with
+the head zeroed, so every value starts at 0. Values use the same packing as the trainer's
+log-probs: the value of response token t is read at the position that predicts it (the state
+before the token was generated).
+
+One role, two loops on the bus: it writes `values` for every new response (consumer `critic`),
+and trains on whole batches whose `returns` the advantage role has written (consumer
+`critic_train`), one optimizer step per batch with the clipped value loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForTokenClassification
+
+from streamrl.api import fields as F
+from streamrl.bus.batches import BatchCollector
+from streamrl.trainer.algos.losses import value_loss
+from streamrl.trainer.logprobs import pack
+
+CONSUMER = "critic"
+TRAIN_CONSUMER = "critic_train"
+
+
+def load_value_model(policy_dir, dtype: str = "float32"):
+    model = AutoModelForTokenClassification.from_pretrained(
+        policy_dir, num_labels=1, dtype=getattr(torch, dtype)
+    )
+    head = model.score if hasattr(model, "score") else model.classifier
+    torch.nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    return model
+
+
+def response_values(model, prompts, responses, pad_token_id: int) -> tuple[torch.Tensor, Any]:
+    """Values `[B, R]` of each response token (zeros on padding), and the packed batch."""
+    batch = pack(prompts, responses, pad_token_id)
+    position_ids = (batch.attention_mask_bt.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=batch.input_ids_bt,
+        attention_mask=batch.attention_mask_bt,
+        position_ids=position_ids,
+    ).logits[..., 0]
+    start = batch.prompt_width - 1
+    width = batch.response_ids_br.shape[1]
+    return out[:, start : start + width].float() * batch.response_mask_br, batch
+
+
+class Critic:
+    """The value model and its optimizer; `values` for scoring, `accumulate`/`step` to train."""
+
+    def __init__(self, model, *, pad_token_id: int, lr: float, value_clip, grad_clip):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.value_clip = value_clip
+        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
+        self._loss_sum = 0.0
+        self._tokens = 0.0
+
+    @torch.no_grad()
+    def values(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        self.model.eval()
+        values_br, _ = response_values(
+            self.model,
+            [r[F.PROMPT_IDS] for r in rows],
+            [r[F.RESPONSE_IDS] for r in rows],
+            self.pad_token_id,
+        )
+        return {
+            r["sample_id"]: {
+                F.VALUES: values_br[i, : len(r[F.RESPONSE_IDS])].numpy().astype(np.float32)
+            }
+            for i, r in enumerate(rows)
+        }
+
+    def accumulate(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        rows = [r for r in rows if r.get(F.RETURNS) is not None and len(r[F.RESPONSE_IDS])]
+        if not rows:
+            return
+        self.model.train()
+        values_br, batch = response_values(
+            self.model,
+            [r[F.PROMPT_IDS] for r in rows],
+            [r[F.RESPONSE_IDS] for r in rows],
+            self.pad_token_id,
+        )
+        mask = batch.response_mask_br
+        old = _pad(mask, [r[F.VALUES] for r in rows])
+        returns = _pad(mask, [r[F.RETURNS] for r in rows])
+        loss_sum = value_loss(values_br, old, returns, mask, clip=self.value_clip)
+        loss_sum.backward()
+        self._loss_sum += float(loss_sum.detach())
+        self._tokens += float(mask.sum())
+
+    def step(self) -> dict[str, float]:
+        scale = 1.0 / self._tokens if self._tokens else 0.0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"critic/value_loss": self._loss_sum * scale}
+        self._loss_sum, self._tokens = 0.0, 0.0
+        return out
+
+
+def _pad(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
+    out = torch.zeros_like(mask_bt)
+    for i, s in enumerate(seqs):
+        values = torch.tensor(np.asarray(s, dtype=np.float32))
+        out[i, : len(values)] = values
+    return out
+
+
+class CriticRole:
+    def __init__(
+        self,
+        bus,
+        weights,
+        critic: Critic,
+        *,
+        groups_per_batch: int,
+        max_staleness: int,
+        max_rows: int,
+        lease_s: float,
+    ):
+        self.bus = bus
+        self.critic = critic
+        self.max_rows = max_rows
+        self.lease_s = lease_s
+        self.claim_wait_s = 0.0
+        self.busy_s = 0.0
+        self.last_loss = float("nan")
+        self.batches = BatchCollector(
+            bus,
+            weights,
+            consumer=TRAIN_CONSUMER,
+            fields=(F.PROMPT_IDS, F.RESPONSE_IDS, F.VALUES, F.RETURNS),
+            groups_per_batch=groups_per_batch,
+            max_staleness=max_staleness,
+            max_rows=max_rows,
+            lease_s=lease_s,
+        )
+
+    def step(self) -> bool:
+        scored = self._score_new()
+        trained = self._train(wait_s=0.0 if scored else self.claim_wait_s)
+        return scored or trained
+
+    def _score_new(self) -> bool:
+        lease = self.bus.claim(
+            CONSUMER, (F.PROMPT_IDS, F.RESPONSE_IDS), self.max_rows, lease_s=self.lease_s
+        )
+        if lease is None:
+            return False
+        start = time.perf_counter()
+        self.bus.write(self.critic.values(lease.rows))
+        self.bus.ack(lease.lease_id)
+        self.busy_s += time.perf_counter() - start
+        return True
+
+    def _train(self, wait_s: float) -> bool:
+        """One optimizer step per complete batch (its micro-batches accumulate)."""
+        complete = self.batches.poll(wait_s=wait_s)
+        if complete is None:
+            return self.batches.claimed
+        start = time.perf_counter()
+        b, rows = complete
+        for lo in range(0, len(rows), self.max_rows):
+            self.critic.accumulate(rows[lo : lo + self.max_rows])
+        self.last_loss = self.critic.step()["critic/value_loss"]
+        self.batches.ack_batch(b)
+        self.busy_s += time.perf_counter() - start
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"busy_s": self.busy_s, "value_loss": self.last_loss}
