@@ -1,0 +1,249 @@
+"""FSDP2 on two CPU ranks (gloo): the sharded learner ends a step exactly where one process on the
+whole batch does, reports the same loss, clips on the global norm, recomputes activations
+without changing the gradient, and round-trips its distributed checkpoint.
+
+All two-rank scenarios run in one `mp.spawn` (process start dominates the cost); the tests
+compare what the ranks wrote against single-process references computed here.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
+
+from streamrl.models.loading import load_causal_lm
+from streamrl.models.tiny import build_tiny_model_dir
+from streamrl.trainer.algos.objective import LossSettings
+from streamrl.trainer.fsdp import (
+    FSDPLearner,
+    FSDPSettings,
+    data_parallel_mesh,
+    decoder_layers,
+    init_distributed,
+    shard_model,
+)
+from streamrl.trainer.learner import Learner
+from tests.unit.test_grpo import PAD_ID, random_rows, skip_zero_advantage
+
+pytestmark = pytest.mark.timeout(180)
+
+LOSS_AGG = "token_mean"
+NUM_LAYERS = 2
+ROWS = 10
+# rank -> its micro-batches as row ranges: uneven rows and tokens, the same count on both ranks
+# (FSDP runs in lockstep). (4, 5) and (9, 10) hold one zero-advantage row each and (10, 10) no
+# row at all, so both ranks also run zero passes.
+SPLITS = {0: [(0, 1), (1, 4), (4, 5)], 1: [(5, 9), (9, 10), (10, 10)]}
+CLIP = 0.05  # below step 2's gradient norm, so clipping binds (checked below)
+
+
+def build_learner(
+    model_dir: Path, *, fsdp: FSDPSettings | None = None, optimizer: str = "sgd"
+) -> Learner:
+    """A learner on the tiny model; with `fsdp`, sharded over the initialised process group."""
+    model = load_causal_lm(model_dir)
+    if fsdp is not None:
+        shard_model(model, data_parallel_mesh("cpu"), fsdp)
+    learner = (FSDPLearner if fsdp is not None else Learner)(
+        model,
+        pad_token_id=PAD_ID,
+        lr=1.0 if optimizer == "sgd" else 1e-2,
+        weight_decay=0.01,
+        grad_clip=None,
+        temperature=1.0,
+        settings=LossSettings(loss_agg=LOSS_AGG),
+    )
+    if optimizer == "sgd":  # the update is the normalised gradient itself
+        learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)
+    return learner
+
+
+def train_step(learner: Learner, rows: list[dict[str, Any]], rank: int | None) -> dict[str, float]:
+    """One step: this rank's micro-batches of SPLITS, or (rank None) the whole batch at once.
+    Zero-advantage rows are left out as the trainer role does (they still count in the
+    normaliser), so the token statistics agree too."""
+    for lo, hi in [(0, len(rows))] if rank is None else SPLITS[rank]:
+        kept, share = skip_zero_advantage(rows[lo:hi], LOSS_AGG)
+        learner.accumulate(kept, num_skipped_tokens=share)
+    return learner.step()
+
+
+def local_tensors(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(tree)
+    return [
+        (x.to_local() if isinstance(x, DTensor) else x).detach().clone()
+        for x in leaves
+        if isinstance(x, torch.Tensor)
+    ]
+
+
+def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two ranks on two (shared) cores
+    init_distributed(rank, 2, f"tcp://127.0.0.1:{port}")
+    try:
+        path, out = Path(model_dir), {}
+        learner = build_learner(path, fsdp=FSDPSettings())
+        embed = learner.model.get_input_embeddings().weight
+        out["sharded"] = isinstance(embed, DTensor) and embed.to_local().shape[0] < embed.shape[0]
+        out["fp32"] = [train_step(learner, random_rows(ROWS), rank)]
+        out["fp32_weights"] = [learner.named_weights()]
+        learner.grad_clip = CLIP
+        out["fp32"].append(train_step(learner, random_rows(ROWS, seed=1), rank))
+        out["fp32_weights"].append(learner.named_weights())
+
+        settings = FSDPSettings(activation_checkpointing=True)
+        learner = build_learner(path, fsdp=settings)
+        out["ac"] = train_step(learner, random_rows(ROWS), rank)
+        out["ac_weights"] = learner.named_weights()
+
+        learner = build_learner(path, fsdp=FSDPSettings(mixed_precision=True))
+        out["bf16"] = train_step(learner, random_rows(ROWS), rank)
+        out["bf16_weights"] = learner.named_weights()
+
+        # Distributed checkpoint: AdamW so that there is optimizer state to restore.
+        saved = build_learner(path, fsdp=FSDPSettings(), optimizer="adamw")
+        train_step(saved, random_rows(ROWS), rank)
+        saved.save_checkpoint(Path(out_dir) / "ckpt")
+        out["ckpt_weights"] = saved.named_weights()
+        restored = build_learner(path, fsdp=FSDPSettings(), optimizer="adamw")
+        restored.load_checkpoint(Path(out_dir) / "ckpt")
+        out["version"] = restored.version
+        before = local_tensors(get_state_dict(saved.model, saved.optimizer))
+        after = local_tensors(get_state_dict(restored.model, restored.optimizer))
+        out["num_state_tensors"] = len(before)
+        out["state_equal"] = len(before) == len(after) and all(
+            torch.equal(a, b) for a, b in zip(before, after, strict=True)
+        )
+        for learner in (saved, restored):  # the restored learner steps like the saved one
+            train_step(learner, random_rows(ROWS, seed=2), rank)
+        out["resumed_equal"] = all(
+            torch.equal(a, b)
+            for a, b in zip(local_tensors(saved.model), local_tensors(restored.model), strict=True)
+        )
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    return build_tiny_model_dir(out, hidden_size=32, num_layers=NUM_LAYERS, num_heads=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(rank_main, args=(str(model_dir), free_port(), str(out_dir)), nprocs=2)
+    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return {"ranks": ranks, "ckpt": out_dir / "ckpt"}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    """One process, whole batch, no sharding: the same two steps as the fp32 ranks."""
+    learner = build_learner(model_dir)
+    metrics = [train_step(learner, random_rows(ROWS), None)]
+    weights = [learner.named_weights()]
+    learner.grad_clip = CLIP
+    metrics.append(train_step(learner, random_rows(ROWS, seed=1), None))
+    weights.append(learner.named_weights())
+    return {"metrics": metrics, "weights": weights}
+
+
+def assert_weights_close(got: dict, expected: dict, **tol: float) -> None:
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name, **tol)
+
+
+def test_two_ranks_match_one_process_on_the_whole_batch(
+    two_ranks: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    rank0, rank1 = two_ranks["ranks"]
+    assert rank0["sharded"] and rank1["sharded"]
+    assert rank1["fp32_weights"] == [{}, {}]  # full weights go to rank 0 only
+    assert_weights_close(rank0["fp32_weights"][0], reference["weights"][0], atol=1e-6, rtol=1e-5)
+    for rank in (rank0, rank1):  # every rank reports the whole batch's loss and statistics
+        expected = reference["metrics"][0]
+        assert rank["fp32"][0] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_clipping_uses_the_global_gradient_norm(
+    two_ranks: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    rank0, rank1 = two_ranks["ranks"]
+    expected = reference["metrics"][1]
+    assert expected["grad_norm"] > 2 * CLIP  # the clip binds
+    for rank in (rank0, rank1):
+        assert rank["fp32"][1] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    before, after = reference["weights"]
+    got_before, got_after = rank0["fp32_weights"]
+    for name in before:  # compare the (small, clipped) update itself, not the weights
+        torch.testing.assert_close(
+            got_after[name] - got_before[name], after[name] - before[name], atol=1e-8, rtol=1e-4
+        )
+
+
+def test_activation_checkpointing_gives_the_same_update(
+    two_ranks: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    rank0 = two_ranks["ranks"][0]
+    assert rank0["ac"] == pytest.approx(rank0["fp32"][0], rel=1e-6, abs=1e-8)
+    assert_weights_close(rank0["ac_weights"], reference["weights"][0], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_mixed_precision_smoke(two_ranks: dict[str, Any], model_dir: Path) -> None:
+    rank0 = two_ranks["ranks"][0]
+    fp32 = rank0["fp32"][0]
+    assert rank0["bf16"]["loss"] == pytest.approx(fp32["loss"], rel=0.05)
+    assert rank0["bf16"]["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=0.05)
+    initial = dict(load_causal_lm(model_dir).named_parameters())
+    bf16 = torch.cat([(w - initial[n]).flatten() for n, w in rank0["bf16_weights"].items()])
+    ref = torch.cat([(w - initial[n]).flatten() for n, w in rank0["fp32_weights"][0].items()])
+    assert all(w.dtype == torch.float32 for w in rank0["bf16_weights"].values())  # fp32 master
+    assert torch.nn.functional.cosine_similarity(bf16, ref, dim=0) > 0.99
+
+
+def test_distributed_checkpoint_round_trip(two_ranks: dict[str, Any]) -> None:
+    num_params = len(two_ranks["ranks"][0]["ckpt_weights"])
+    for rank in two_ranks["ranks"]:
+        assert rank["version"] == 1
+        # each parameter's shard, its AdamW step count and two moments
+        assert rank["num_state_tensors"] >= 4 * num_params
+        assert rank["state_equal"]
+        assert rank["resumed_equal"]  # and the next step lands on the same parameters
+
+
+def test_distributed_checkpoint_loads_in_one_process(
+    two_ranks: dict[str, Any], model_dir: Path
+) -> None:
+    """The two-rank checkpoint reshards on load: one process reads the full model from it."""
+    model = load_causal_lm(model_dir)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(two_ranks["ckpt"]))
+    model.load_state_dict(state["model"])
+    expected = two_ranks["ranks"][0]["ckpt_weights"]
+    assert_weights_close(dict(model.named_parameters()), expected, atol=0, rtol=0)
+
+
+def test_decoder_layers_are_found_by_class_name(model_dir: Path) -> None:
+    model = load_causal_lm(model_dir)
+    assert decoder_layers(model) == list(model.model.layers)
+    with pytest.raises(ValueError, match="_no_split_modules"):
+        decoder_layers(torch.nn.Linear(2, 2))
