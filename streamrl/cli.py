@@ -30,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint"
     )
+    status = sub.add_parser(
+        "status", help="where every role of a Ray-mode run runs, its health and its restarts"
+    )
+    status.add_argument("run_dir", metavar="RUN_DIR")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -56,6 +60,24 @@ def check_paths(cfg) -> None:
             raise ConfigError(f"{key} = {value!r} does not exist")
 
 
+def format_status(run_dir: Path) -> str:
+    """A table of `roles.json`, which the supervisor keeps current while the run is alive."""
+    import time
+
+    from streamrl.runtime.status import read_status
+
+    status = read_status(run_dir)
+    age = time.time() - status["updated"]
+    lines = [
+        f"{run_dir}: updated {age:.0f}s ago",
+        f"{'role':10} {'node':15} {'pid':>7} {'health':8} restarts",
+    ]
+    for name, info in status["roles"].items():
+        health = "ok" if info["healthy"] else "down"
+        lines.append(f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} {info['restarts']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -65,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "config":
             print(dump_yaml(load_config(args.args)))
+            return 0
+        if args.command == "status":
+            print(format_status(Path(args.run_dir)))
             return 0
         resume = Path(args.resume) if args.resume else None
         overrides = list(args.args)

@@ -146,6 +146,12 @@ class Bus(Protocol):
         back unconsumed, claimable again at once."""
         ...
 
+    def release_consumer(self, consumer: str) -> int:
+        """Called by the supervisor when the process of a role died: gives back every open
+        lease of ``consumer`` at once (instead of waiting for them to expire) and returns how
+        many there were. Only safe when no live replica of the role holds leases."""
+        ...
+
     def renew(self, lease_id: str, lease_s: float | None = None) -> None:
         """Called periodically by a holder whose work outlasts the lease: pushes the deadline
         to ``lease_s`` (default: the lease's original duration) from now. Raises ValueError

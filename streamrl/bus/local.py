@@ -270,6 +270,13 @@ class LocalBus:
             if lease_id in self._leases:
                 self._close_lease(lease_id)
 
+    def release_consumer(self, consumer: str) -> int:
+        with self._locked(changes=True):
+            held = [lid for lid, rec in self._leases.items() if rec.consumer == consumer]
+            for lease_id in held:
+                self._close_lease(lease_id)
+            return len(held)
+
     def renew(self, lease_id: str, lease_s: float | None = None) -> None:
         if lease_s is not None and lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")

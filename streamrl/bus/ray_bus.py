@@ -118,6 +118,9 @@ class BusActor:
     def renew(self, lease_id: str, lease_s: float | None) -> None:
         self._bus.renew(lease_id, lease_s)
 
+    def release_consumer(self, consumer: str) -> int:
+        return self._bus.release_consumer(consumer)
+
     def drop(self, sample_ids: list[str], reason: str) -> None:
         self._bus.drop(sample_ids, reason)
 
@@ -245,6 +248,9 @@ class RayBus:
 
     def renew(self, lease_id: str, lease_s: float | None = None) -> None:
         self._call("renew", lease_id, lease_s)
+
+    def release_consumer(self, consumer: str) -> int:
+        return self._call("release_consumer", consumer)
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> None:
         self._call("drop", list(sample_ids), reason)

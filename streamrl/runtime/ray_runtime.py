@@ -28,9 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import active_roles, bus_capacity_groups, stall_message
+from streamrl.runtime.roles import active_roles, bus_capacity_groups, bus_consumers, stall_message
+from streamrl.runtime.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,11 @@ class RoleActor:
         self._stop = threading.Event()
         self.error: str | None = None
 
-    def ready(self) -> bool:
+    def info(self) -> dict[str, Any]:
+        """Where this role runs."""
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+
+    def ping(self) -> bool:
         return True
 
     def run(self) -> None:
@@ -117,61 +123,78 @@ def run_ray(
     t0 = time.perf_counter()
     ensure_ray(ctx)
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
+    rt = ctx.cfg.runtime
     bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx))
-    for consumer in active_roles(ctx):
+    for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     weights = RayWeights.create()
     actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(RoleActor)
-    names = ("trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder")
-    actors = {
-        n: actor_cls.options(name=None).remote(
-            n,
-            ctx,
-            bus,
-            weights,
-            start_step,
-            ctx.cfg.trainer.threads if n == "trainer" else ROLE_THREADS,
-        )
-        for n in names
-    }
-    ray.get([a.ready.remote() for a in actors.values()])
-    log.info("roles started in %.1fs", time.perf_counter() - t0)
-    loop_started = time.perf_counter()
-    runs = {n: a.run.remote() for n, a in actors.items()}
-    trainer = actors["trainer"]
+    names = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
+    supervisor: Supervisor | None = None
+
+    def make_actor(name: str):
+        # A restarted feeder continues from the trainer's step (re-adding a live batch is a no-op).
+        step = start_step
+        if supervisor is not None and "trainer" in supervisor.actors:
+            step = ray.get(supervisor.actors["trainer"].stats.remote())["step"]
+        threads = ctx.cfg.trainer.threads if name == "trainer" else ROLE_THREADS
+        return actor_cls.remote(name, ctx, bus, weights, step, threads)
+
+    supervisor = Supervisor(
+        make_actor,
+        bus,
+        ctx.run_dir,
+        consumers={"critic": ("critic", "critic_train")},
+        max_restarts=rt.max_restarts,
+        backoff_s=rt.restart_backoff_s,
+        health_interval_s=rt.health_interval_s,
+        health_timeout_s=rt.health_timeout_s,
+    )
     try:
+        supervisor.start(names)
+        log.info("roles started in %.1fs", time.perf_counter() - t0)
+        loop_started = time.perf_counter()
+        trainer = supervisor.actors["trainer"]
         last_record = time.perf_counter()
         while True:
-            records = ray.get(trainer.drain.remote())
+            try:
+                records = ray.get(trainer.drain.remote())
+            except RayActorError as e:
+                supervisor.failed("trainer", f"process died ({type(e).__name__})")  # raises
+                raise  # unreachable: `failed` raises TrainerLost for the trainer
             if records:  # cumulative busy time of the other roles, for per-step time per role
-                others = [n for n in actors if n != "trainer"]
-                records[-1]["roles"] = dict(
-                    zip(others, ray.get([actors[n].stats.remote() for n in others]), strict=True)
-                )
+                records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
+                supervisor.write_status()
             for record in records:
                 on_record(record)
                 last_record = time.perf_counter()
-            if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:
-                stats = {n: ray.get(a.stats.remote()) for n, a in actors.items()}
-                raise RuntimeError(stall_message(ctx, stats, bus.stats()))
-            finished, _ = ray.wait(list(runs.values()), timeout=0.2, num_returns=len(runs))
-            for ref in finished:
-                ray.get(ref)  # re-raises a role's error here, with its traceback
-            if runs["trainer"] in finished:
+            if time.perf_counter() - last_record > rt.stall_timeout_s:
+                raise RuntimeError(stall_message(ctx, _role_stats(supervisor), bus.stats()))
+            if supervisor.check(timeout_s=0.2):
                 break
         for record in ray.get(trainer.drain.remote()):
             on_record(record)
         train_wall_s = time.perf_counter() - loop_started
-        stats = {n: ray.get(a.stats.remote()) for n, a in actors.items()}
+        stats = _role_stats(supervisor)
         stats["bus"] = bus.stats()
         stats["train_wall_s"] = train_wall_s
+        stats["restarts"] = dict(supervisor.restarts)
         log.info("training done at %.1fs", time.perf_counter() - t0)
     finally:
-        for a in actors.values():
-            a.stop.remote()
-        ray.wait(list(runs.values()), timeout=10, num_returns=len(runs))
-        for a in actors.values():
-            ray.kill(a)
+        supervisor.stop()
         bus.close()
         log.info("roles stopped at %.1fs", time.perf_counter() - t0)
     return stats
+
+
+def _role_stats(supervisor: Supervisor, exclude: str = "") -> dict[str, Any]:
+    """Stats of every live role; a role that is restarting right now is left out."""
+    names = [n for n in supervisor.runs if n != exclude]
+    refs = [supervisor.actors[n].stats.remote() for n in names]
+    out = {}
+    for name, ref in zip(names, refs, strict=True):
+        try:
+            out[name] = ray.get(ref, timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dying role must not end the run here
+            log.debug("no stats from %s: %s", name, e)
+    return out

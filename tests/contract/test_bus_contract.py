@@ -305,6 +305,20 @@ def test_release_makes_rows_claimable_at_once(bus: Bus) -> None:
     assert bus.stats()["acked"]["trainer"] == 0
 
 
+def test_release_consumer_gives_back_every_lease_of_a_dead_role(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 2) + group_rows("h", 2))
+    bus.claim("trainer", [], 2)
+    bus.claim("trainer", [], 2)
+    kept = bus.claim("reward", [], 4)
+    assert bus.claim("trainer", [], 4) is None
+    assert bus.release_consumer("trainer") == 2
+    assert ids(bus.claim("trainer", [], 4)) == ["g/0", "g/1", "h/0", "h/1"]
+    bus.ack(kept.lease_id)  # the other consumer's lease was untouched
+    assert bus.stats()["acked"]["reward"] == 4
+    assert bus.release_consumer("trainer") == 1
+
+
 def test_partial_ack_returns_the_rest(bus: Bus) -> None:
     bus.add_rows(group_rows("g", 3))
     lease = bus.claim("trainer", [], 5)

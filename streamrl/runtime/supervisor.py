@@ -1,0 +1,189 @@
+"""Supervision of the role actors in Ray mode: health checks, restarts, budgets, a status file.
+
+Each role runs in its own actor. The supervisor watches two signals: the actor's loop ending
+(with an error, or because its process died) and a periodic health ping that must be answered
+within `runtime.health_timeout_s` (a hung process is killed, then handled as dead).
+
+- A stateless role (feeder, rollout, reward, reference, logp, advantage) is restarted in place:
+  its open leases are handed back to the bus at once, so its rows are served again, and the new
+  process pulls the current weights. The critic restarts the same way but its value model starts
+  over (it is not yet in the checkpoint; a warning says so).
+- The trainer is stateful: `TrainerLost` is raised and the controller resumes the run from the
+  latest checkpoint.
+- Each role has `runtime.max_restarts` restarts, with exponential backoff; when they are spent,
+  the run fails with the role's last error.
+
+Every failure and action is logged and appended to `events.jsonl` in the run directory, and
+`roles.json` there always says where each role runs (node, pid), its restarts and its health;
+`streamrl status RUN_DIR` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from streamrl.runtime.errors import RoleFailed, TrainerLost
+from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        make_actor: Callable[[str], Any],
+        bus,
+        run_dir: Path,
+        *,
+        consumers: dict[str, tuple[str, ...]],
+        max_restarts: int,
+        backoff_s: float,
+        health_interval_s: float,
+        health_timeout_s: float,
+    ):
+        self.make_actor = make_actor
+        self.bus = bus
+        self.run_dir = run_dir
+        self.consumers = consumers
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.actors: dict[str, Any] = {}
+        self.runs: dict[str, Any] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+        self.restarts: dict[str, int] = {}
+        self._pings: dict[str, tuple[Any, float]] = {}
+        self._last_health = 0.0
+
+    # -- starting ----------------------------------------------------------------------------------
+
+    def start(self, names: list[str]) -> None:
+        for name in names:
+            self.actors[name] = self.make_actor(name)
+        infos = ray.get([self.actors[n].info.remote() for n in names])
+        for name, info in zip(names, infos, strict=True):
+            self.info[name] = {**info, "healthy": True, "restarts": self.restarts.get(name, 0)}
+            self.runs[name] = self.actors[name].run.remote()
+        self.write_status()
+
+    # -- watching ------------------------------------------------------------------------------------
+
+    def check(self, timeout_s: float) -> bool:
+        """Handle roles whose loop ended; ping for health. True when the trainer finished."""
+        refs = {ref: name for name, ref in self.runs.items()}
+        finished, _ = ray.wait(list(refs), timeout=timeout_s, num_returns=len(refs))
+        trainer_done = False
+        for ref in finished:
+            name = refs[ref]
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                self.failed(name, f"process died ({type(e).__name__})")
+                continue
+            except Exception as e:  # the role's own error, with its traceback in the log
+                self.failed(name, f"{type(e).__name__}: {e}")
+                continue
+            if name == "trainer":
+                trainer_done = True
+            else:
+                del self.runs[name]  # a role whose work is done (e.g. the feeder's last batch)
+        if not trainer_done:
+            self._health()
+        return trainer_done
+
+    def _health(self) -> None:
+        now = time.monotonic()
+        for name, (ref, sent) in list(self._pings.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                del self._pings[name]
+                self.info[name]["healthy"] = True
+            elif now - sent > self.health_timeout_s and name in self.runs:
+                del self._pings[name]
+                self._event(
+                    name, f"no answer to a health check in {self.health_timeout_s:.0f}s", "killed"
+                )
+                ray.kill(self.actors[name])  # its run ref now fails and `check` restarts it
+        if now - self._last_health >= self.health_interval_s:
+            self._last_health = now
+            for name in self.runs:
+                if name not in self._pings:
+                    self._pings[name] = (self.actors[name].ping.remote(), now)
+
+    def failed(self, name: str, reason: str) -> None:
+        """Handle a role that failed: restart it, or raise (trainer, or budget spent)."""
+        self.info[name]["healthy"] = False
+        self.runs.pop(name, None)
+        self._pings.pop(name, None)
+        if name == "trainer":
+            self._event(name, reason, "resume from the latest checkpoint")
+            self.write_status()
+            raise TrainerLost(f"trainer failed: {reason}")
+        used = self.restarts.get(name, 0)
+        if used >= self.max_restarts:
+            self._event(name, reason, "restart budget spent: stopping the run")
+            self.write_status()
+            raise RoleFailed(
+                f"role {name!r} failed {used + 1} times (runtime.max_restarts={self.max_restarts}); "
+                f"last failure: {reason}"
+            )
+        self.restarts[name] = used + 1
+        delay = self.backoff_s * 2**used
+        released = sum(self.bus.release_consumer(c) for c in self.consumers.get(name, (name,)))
+        note = " (its value model starts over: the critic is not in the checkpoint yet)"
+        self._event(
+            name,
+            reason,
+            f"restart {used + 1}/{self.max_restarts} in {delay:.1f}s; {released} leases handed back"
+            + (note if name == "critic" else ""),
+        )
+        try:
+            ray.kill(self.actors[name])
+        except Exception:  # already gone
+            pass
+        time.sleep(delay)
+        self.start([name])
+
+    # -- reporting ------------------------------------------------------------------------------------
+
+    def _event(self, role: str, failure: str, action: str) -> None:
+        log.warning("role %s: %s -> %s", role, failure, action)
+        with open(self.run_dir / EVENTS_FILE, "a") as f:
+            f.write(
+                json.dumps(
+                    {"time": time.time(), "role": role, "failure": failure, "action": action}
+                )
+                + "\n"
+            )
+
+    def write_status(self) -> None:
+        status = {"updated": time.time(), "roles": self.info}
+        tmp = self.run_dir / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(self.run_dir / STATUS_FILE)
+
+    def stop(self) -> None:
+        for actor in self.actors.values():
+            try:
+                actor.stop.remote()
+            except Exception:
+                pass
+        if self.runs:
+            ray.wait(list(self.runs.values()), timeout=10, num_returns=len(self.runs))
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        for info in self.info.values():
+            info["healthy"] = False
+        self.write_status()

@@ -1,0 +1,149 @@
+"""Fault injection on a live Ray-mode run: roles are SIGKILLed and the supervisor recovers.
+
+- The rollout engine and the reward service are each killed 3 times during the default job:
+  the run completes, every sample id is trained exactly once (or dropped with a reason, never
+  both and never lost), and the foundation's accuracy bar is met.
+- The trainer is killed: the run resumes from its latest checkpoint by itself, and no sample is
+  trained twice.
+
+Role processes are found through `roles.json`, which the supervisor keeps in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import QUICK, REPO, cli_env, read_jsonl
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def start(args: list[str], run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrl.cli", "train", *args, f"run.run_dir={run_dir}"],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def role_pid(run_dir: Path, role: str) -> int | None:
+    try:
+        info = json.loads((run_dir / "roles.json").read_text())["roles"][role]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        return None
+    return info["pid"] if info["healthy"] else None
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "trained_samples.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended while waiting for {what}:\n{proc.stdout.read()[-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) -> None:
+    """SIGKILL `role`'s process once `at_step` steps are done; wait for its replacement."""
+    wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
+    pid = wait_for(proc, f"a live {role}", lambda: role_pid(run_dir, role))
+    os.kill(pid, signal.SIGKILL)
+    wait_for(proc, f"{role} restarted", lambda: role_pid(run_dir, role) not in (None, pid))
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        out, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def trained_ids(run_dir: Path) -> Counter:
+    ids: Counter = Counter()
+    for line in read_jsonl(run_dir / "trained_samples.jsonl"):
+        ids.update(line["ids"])
+    return ids
+
+
+def all_ids(steps: int, prompts: int, group: int) -> set[str]:
+    return {f"b{b}-p{p}-s{s}" for b in range(steps) for p in range(prompts) for s in range(group)}
+
+
+def test_rollout_and_reward_killed_three_times_each(tmp_path):
+    run_dir = tmp_path / "faults"
+    proc = start(["run.progress=false", "run.tensorboard=false"], run_dir)
+    try:
+        for role, step in [("rollout", 8), ("reward", 16), ("rollout", 30),
+                           ("reward", 42), ("rollout", 56), ("reward", 70)]:  # fmt: skip
+            kill_role(proc, run_dir, role, step)
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["role_restarts"] == {"rollout": 3, "reward": 3}
+    assert summary["initial_eval_accuracy"] <= 0.4
+    assert summary["final_eval_accuracy"] >= 0.8
+
+    trained = trained_ids(run_dir)
+    assert max(trained.values()) == 1, "a sample was trained twice"
+    dropped = sum(summary["num_samples_dropped"].values())
+    expected = all_ids(summary["num_steps"], 32, 8)
+    assert set(trained) <= expected
+    assert len(trained) + dropped == len(expected), "samples were lost"
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["role"] for e in events] == ["rollout", "reward"] * 3
+    assert all("restart" in e["action"] for e in events)
+
+
+def test_trainer_killed_resumes_from_its_checkpoint(tmp_path, quick_cache):
+    run_dir = tmp_path / "trainer"
+    steps = 40
+    args = [
+        *QUICK,
+        f"run.cache_dir={quick_cache}",
+        f"trainer.steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=5",
+    ]
+    proc = start(args, run_dir)
+    try:
+        kill_role(proc, run_dir, "trainer", at_step=12)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    assert "resuming from" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 1
+    trained = trained_ids(run_dir)
+    assert max(trained.values()) == 1, "a sample was trained twice"
+    assert set(trained) == all_ids(steps, 4, 4)
+    steps_logged = [line["step"] for line in read_jsonl(run_dir / "trained_samples.jsonl")]
+    assert steps_logged == list(range(1, steps + 1))
