@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         "status", help="where every role of a Ray-mode run runs, its health and its restarts"
     )
     status.add_argument("run_dir", metavar="RUN_DIR")
+    scale = sub.add_parser("scale", help="change the replicas of a role of a running job")
+    scale.add_argument("run_dir", metavar="RUN_DIR")
+    scale.add_argument("request", metavar="ROLE=N", help="for example rollout=3")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -68,8 +71,9 @@ def format_status(run_dir: Path) -> str:
 
     status = read_status(run_dir)
     age = time.time() - status["updated"]
+    state = "running" if status.get("running", True) else "finished (roles stopped)"
     lines = [
-        f"{run_dir}: updated {age:.0f}s ago",
+        f"{run_dir}: {state}, updated {age:.0f}s ago",
         f"{'role':10} {'node':15} {'pid':>7} {'health':8} restarts",
     ]
     for name, info in status["roles"].items():
@@ -87,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "config":
             print(dump_yaml(load_config(args.args)))
+            return 0
+        if args.command == "scale":
+            from streamrl.runtime.control import set_replicas
+
+            role, sep, count = args.request.partition("=")
+            if not sep or not count.isdigit():
+                raise ValueError(f"expected ROLE=N (for example rollout=3), got {args.request!r}")
+            set_replicas(Path(args.run_dir), role, int(count))
+            print(
+                f"asked {args.run_dir} for {count} {role} replica(s); `streamrl status` shows them"
+            )
             return 0
         if args.command == "status":
             print(format_status(Path(args.run_dir)))

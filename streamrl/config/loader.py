@@ -128,17 +128,23 @@ def dump_yaml(config: Config) -> str:
     """The resolved config as YAML, with each field's docstring as a comment above it."""
     out: list[str] = []
     for section_name, section_field in Config.model_fields.items():
-        section = getattr(config, section_name)
         out.append(f"# {section_field.description or ''}".rstrip())
         out.append(f"{section_name}:")
-        for name, field in type(section).model_fields.items():
-            if field.description:
-                for doc_line in field.description.split("\n"):
-                    out.append(f"  # {doc_line.strip()}")
-            value = yaml.safe_dump(
-                getattr(section, name), default_flow_style=True, width=float("inf")
-            ).strip()
-            value = value.removesuffix("\n...").removesuffix("...").strip()
-            out.append(f"  {name}: {value}")
+        _dump_section(getattr(config, section_name), "  ", out)
         out.append("")
     return "\n".join(out)
+
+
+def _dump_section(section: BaseModel, indent: str, out: list[str]) -> None:
+    for name, field in type(section).model_fields.items():
+        if field.description:
+            for doc_line in field.description.split("\n"):
+                out.append(f"{indent}# {doc_line.strip()}")
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out.append(f"{indent}{name}:")
+            _dump_section(value, indent + "  ", out)
+            continue
+        text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+        text = text.removesuffix("\n...").removesuffix("...").strip()
+        out.append(f"{indent}{name}: {text}")

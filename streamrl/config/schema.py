@@ -241,12 +241,59 @@ class TrainerConfig(Section):
     """torch threads of the trainer process in async mode."""
 
 
+class RolePlacement(Section):
+    num_cpus: float = Field(0.0, ge=0)
+    """Ray logical CPUs reserved per replica (0: none; on one machine the roles share the cores)."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per replica (fractions share a GPU)."""
+    replicas: int = Field(1, ge=1)
+    """Replicas of this role, all claiming from the bus (rollout, reward, reference, logp)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources per replica, e.g. {node_a: 0.1} to land on the node that has them."""
+    node: str | None = None
+    """Pin the role to the Ray node with this node id or IP address (None: anywhere)."""
+
+
+SCALABLE_ROLES = ("rollout", "reward", "reference", "logp")
+
+
+class RolesConfig(Section):
+    feeder: RolePlacement = RolePlacement()
+    """Placement of the feeder."""
+    rollout: RolePlacement = RolePlacement()
+    """Placement of the rollout engines (several replicas share the work; see `streamrl scale`)."""
+    reward: RolePlacement = RolePlacement()
+    """Placement of the reward service."""
+    reference: RolePlacement = RolePlacement()
+    """Placement of the reference model (when kl_coef > 0)."""
+    logp: RolePlacement = RolePlacement()
+    """Placement of the pi_old role (when algorithm.proximal is pi_old)."""
+    advantage: RolePlacement = RolePlacement()
+    """Placement of the advantage role."""
+    critic: RolePlacement = RolePlacement()
+    """Placement of the critic (PPO)."""
+    trainer: RolePlacement = RolePlacement()
+    """Placement of the trainer."""
+
+    @model_validator(mode="after")
+    def _one_replica_for_stateful_roles(self) -> RolesConfig:
+        for name in type(self).model_fields:
+            if name not in SCALABLE_ROLES and getattr(self, name).replicas != 1:
+                raise ValueError(
+                    f"runtime.roles.{name}.replicas must be 1; only {', '.join(SCALABLE_ROLES)} "
+                    "can have several replicas"
+                )
+        return self
+
+
 class RuntimeConfig(Section):
     mode: Literal["ray", "inline", "sync"] = "ray"
     """ray: every role its own process on Ray; inline: every role an asyncio task in one process
     (debugging, tests); sync: generate then train, in turn, in one process (the baseline)."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; None starts a local instance."""
+    roles: RolesConfig = RolesConfig()
+    """Ray mode: resources, replicas and node of each role."""
     num_cpus: int | None = None
     """Logical CPUs of the local Ray instance (None: Ray's default)."""
     sync_threads: int | None = None

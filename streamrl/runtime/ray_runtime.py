@@ -31,8 +31,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from streamrl.runtime.context import RunContext
+from streamrl.runtime.control import read_requests
 from streamrl.runtime.roles import active_roles, bus_capacity_groups, bus_consumers, stall_message
-from streamrl.runtime.supervisor import Supervisor
+from streamrl.runtime.supervisor import Supervisor, base_role
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class RoleActor:
         set_threads(threads)
         self.name = name
         self.role = build_role(
-            name,
+            base_role(name),
             ctx,
             bus,
             weights,
@@ -64,7 +65,11 @@ class RoleActor:
 
     def info(self) -> dict[str, Any]:
         """Where this role runs."""
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+        return {
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def ping(self) -> bool:
         return True
@@ -128,8 +133,13 @@ def run_ray(
     for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     weights = RayWeights.create()
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=4)(RoleActor)
-    names = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
+    actor_cls = ray.remote(max_concurrency=4)(RoleActor)
+    roles = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
+    names = [
+        f"{role}#{i}" if i else role
+        for role in roles
+        for i in range(getattr(rt.roles, role).replicas)
+    ]
     supervisor: Supervisor | None = None
 
     def make_actor(name: str):
@@ -138,7 +148,8 @@ def run_ray(
         if supervisor is not None and "trainer" in supervisor.actors:
             step = ray.get(supervisor.actors["trainer"].stats.remote())["step"]
         threads = ctx.cfg.trainer.threads if name == "trainer" else ROLE_THREADS
-        return actor_cls.remote(name, ctx, bus, weights, step, threads)
+        options = placement_options(getattr(rt.roles, base_role(name)))
+        return actor_cls.options(**options).remote(name, ctx, bus, weights, step, threads)
 
     supervisor = Supervisor(
         make_actor,
@@ -172,6 +183,7 @@ def run_ray(
                 raise RuntimeError(stall_message(ctx, _role_stats(supervisor), bus.stats()))
             if supervisor.check(timeout_s=0.2):
                 break
+            supervisor.reconcile(read_requests(ctx.run_dir))
         for record in ray.get(trainer.drain.remote()):
             on_record(record)
         train_wall_s = time.perf_counter() - loop_started
@@ -185,6 +197,31 @@ def run_ray(
         bus.close()
         log.info("roles stopped at %.1fs", time.perf_counter() - t0)
     return stats
+
+
+def placement_options(placement) -> dict[str, Any]:
+    """Ray actor options for a role's `runtime.roles.<role>` entry."""
+    options: dict[str, Any] = {
+        "num_cpus": placement.num_cpus,
+        "num_gpus": placement.num_gpus,
+        "resources": dict(placement.resources),
+    }
+    if placement.node:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            node_id=_node_id(placement.node), soft=False
+        )
+    return options
+
+
+def _node_id(node: str) -> str:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    for n in alive:
+        if node in (n["NodeID"], n["NodeManagerAddress"]):
+            return n["NodeID"]
+    known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in alive)
+    raise ValueError(f"runtime.roles: no live Ray node {node!r}; nodes: {known}")
 
 
 def _role_stats(supervisor: Supervisor, exclude: str = "") -> dict[str, Any]:

@@ -36,6 +36,11 @@ from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
 log = logging.getLogger(__name__)
 
 
+def base_role(name: str) -> str:
+    """`rollout#2` -> `rollout`: replicas share their role's code and bus consumer."""
+    return name.split("#", 1)[0]
+
+
 class Supervisor:
     def __init__(
         self,
@@ -63,6 +68,8 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self._pings: dict[str, tuple[Any, float]] = {}
         self._last_health = 0.0
+        self._stopped = False
+        self.draining: dict[str, Any] = {}  # replica -> its run ref, while it finishes its work
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -138,7 +145,10 @@ class Supervisor:
             )
         self.restarts[name] = used + 1
         delay = self.backoff_s * 2**used
-        released = sum(self.bus.release_consumer(c) for c in self.consumers.get(name, (name,)))
+        # With several replicas this also hands back the healthy ones' leases: safe (writes are
+        # idempotent, a row is trained once), it only repeats some work.
+        base = base_role(name)
+        released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
         note = " (its value model starts over: the critic is not in the checkpoint yet)"
         self._event(
             name,
@@ -153,6 +163,40 @@ class Supervisor:
         time.sleep(delay)
         self.start([name])
 
+    # -- elastic replicas ------------------------------------------------------------------------------
+
+    def replicas(self, role: str) -> list[str]:
+        return sorted(n for n in self.runs if base_role(n) == role)
+
+    def reconcile(self, wanted: dict[str, int]) -> None:
+        """Start or drain replicas until each role in `wanted` has that many live ones."""
+        for role, count in wanted.items():
+            live = self.replicas(role)
+            if not live and role not in {base_role(n) for n in self.actors}:
+                continue  # a role this run does not have (e.g. reference without KL)
+            if len(live) < count:
+                used = {n for n in self.actors}
+                fresh = [
+                    n for n in (f"{role}#{i}" if i else role for i in range(64)) if n not in used
+                ]
+                added = fresh[: count - len(live)]
+                self._event(role, f"{len(live)} replicas, {count} wanted", f"starting {added}")
+                self.start(added)
+            elif len(live) > count:
+                surplus = sorted(live, key=lambda n: (n != role, n))[count:]
+                for name in surplus:
+                    self.actors[name].stop.remote()  # finishes the rows it holds, then returns
+                    self.draining[name] = self.runs.pop(name)
+                    self._pings.pop(name, None)
+                self._event(role, f"{len(live)} replicas, {count} wanted", f"draining {surplus}")
+        for name, ref in list(self.draining.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self.draining[name]
+                ray.kill(self.actors.pop(name))
+                self.info.pop(name, None)
+                self._event(name, "drained", "removed")
+                self.write_status()
+
     # -- reporting ------------------------------------------------------------------------------------
 
     def _event(self, role: str, failure: str, action: str) -> None:
@@ -166,7 +210,7 @@ class Supervisor:
             )
 
     def write_status(self) -> None:
-        status = {"updated": time.time(), "roles": self.info}
+        status = {"updated": time.time(), "running": not self._stopped, "roles": self.info}
         tmp = self.run_dir / (STATUS_FILE + ".tmp")
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(self.run_dir / STATUS_FILE)
@@ -177,13 +221,13 @@ class Supervisor:
                 actor.stop.remote()
             except Exception:
                 pass
-        if self.runs:
-            ray.wait(list(self.runs.values()), timeout=10, num_returns=len(self.runs))
+        pending = [*self.runs.values(), *self.draining.values()]
+        if pending:
+            ray.wait(pending, timeout=10, num_returns=len(pending))
         for actor in self.actors.values():
             try:
                 ray.kill(actor)
             except Exception:
                 pass
-        for info in self.info.values():
-            info["healthy"] = False
+        self._stopped = True
         self.write_status()

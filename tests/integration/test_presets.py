@@ -16,7 +16,7 @@ from tests.integration.conftest import read_jsonl, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 50
+STEPS = 30
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -39,7 +39,7 @@ def test_preset_learns(tmp_path, preset: str) -> None:
     assert summary["num_steps"] == STEPS
     before, after = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
     assert before <= 0.4
-    assert after >= before + 0.25, f"{preset}: held-out accuracy {before:.3f} -> {after:.3f}"
+    assert after >= before + 0.2, f"{preset}: held-out accuracy {before:.3f} -> {after:.3f}"
 
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
     assert len(steps) == STEPS

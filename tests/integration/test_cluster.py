@@ -1,0 +1,66 @@
+"""A multi-node Ray cluster simulated on one machine: a head and a worker node started by the
+test, the job joining it by address, with roles pinned to different nodes by custom resources.
+The default job must still meet the foundation's accuracy bar, and `streamrl status` must show
+the roles where they were placed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ray.cluster_utils import Cluster
+
+from tests.integration.conftest import run_cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SMALL_STORE = 200 * 2**20
+
+
+@pytest.fixture
+def two_nodes():
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"head": 1},
+            "object_store_memory": SMALL_STORE,
+        },
+    )
+    cluster.add_node(num_cpus=2, resources={"worker": 1}, object_store_memory=SMALL_STORE)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+def test_roles_on_two_nodes_meet_the_accuracy_bar(tmp_path, two_nodes):
+    run_dir = tmp_path / "cluster"
+    on_head, on_worker = "{head: 0.01}", "{worker: 0.01}"
+    run_cli(
+        [
+            "train",
+            f"runtime.ray_address={two_nodes.address}",
+            f"runtime.roles.trainer.resources={on_head}",
+            f"runtime.roles.feeder.resources={on_head}",
+            f"runtime.roles.advantage.resources={on_head}",
+            f"runtime.roles.rollout.resources={on_worker}",
+            f"runtime.roles.reward.resources={on_worker}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"run.run_dir={run_dir}",
+        ],
+        timeout=900,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["initial_eval_accuracy"] <= 0.4
+    assert summary["final_eval_accuracy"] >= 0.8
+
+    roles = json.loads((run_dir / "roles.json").read_text())["roles"]
+    head_id = roles["trainer"]["node_id"]
+    worker_id = roles["rollout"]["node_id"]
+    assert head_id != worker_id
+    assert roles["feeder"]["node_id"] == roles["advantage"]["node_id"] == head_id
+    assert roles["reward"]["node_id"] == worker_id
+
+    status = run_cli(["status", str(run_dir)]).stdout
+    assert "finished" in status and "rollout" in status
