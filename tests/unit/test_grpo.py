@@ -21,15 +21,14 @@ from streamrl.trainer.algos.losses import AGGREGATIONS
 from streamrl.trainer.algos.losses import aggregation_weights as token_weights
 from streamrl.trainer.algos.losses import batch_normaliser as loss_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
+from streamrl.trainer.learner import Learner
+from streamrl.trainer.service import is_zero
 
 
 def group_advantages(rewards_g: torch.Tensor, std_eps: float = 1e-4) -> torch.Tensor:
     """One group's GRPO advantages."""
     return grpo_advantages(rewards_g, torch.zeros(len(rewards_g), dtype=torch.long), eps=std_eps)
 
-
-from streamrl.trainer.learner import Learner
-from streamrl.trainer.service import is_zero
 
 # -- group advantages -----------------------------------------------------------------------------
 
