@@ -61,6 +61,16 @@ def check_paths(cfg) -> None:
     ):
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{key} = {value!r} does not exist")
+    rt = cfg.runtime
+    if rt.weight_channel == "tcp":
+        from streamrl.weights.remote import resolve_token
+        from streamrl.weights.tcp import is_loopback
+
+        if not is_loopback(rt.weight_bind) and not resolve_token(rt.weight_token):
+            raise ConfigError(
+                f"runtime.weight_bind = {rt.weight_bind!r} serves weights beyond this machine "
+                "without a token: set runtime.weight_token or $STREAMRL_WEIGHT_TOKEN"
+            )
 
 
 def format_status(run_dir: Path) -> str:

@@ -294,6 +294,17 @@ class RuntimeConfig(Section):
     """Address of an existing Ray cluster; None starts a local instance."""
     roles: RolesConfig = RolesConfig()
     """Ray mode: resources, replicas and node of each role."""
+    weight_channel: Literal["object_store", "tcp"] = "object_store"
+    """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
+    with a fast object store), or a TCP weight server in the trainer process that streams
+    safetensors buckets to each engine (any network; authenticated with weight_token)."""
+    weight_bind: str = "127.0.0.1"
+    """tcp channel: address the trainer's weight server listens on; anything but loopback
+    needs weight_token (or $STREAMRL_WEIGHT_TOKEN)."""
+    weight_port: int = Field(0, ge=0, le=65535)
+    """tcp channel: port of the weight server (0: any free port)."""
+    weight_token: str | None = None
+    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
     num_cpus: int | None = None
     """Logical CPUs of the local Ray instance (None: Ray's default)."""
     sync_threads: int | None = None

@@ -51,6 +51,7 @@ class RoleActor:
 
         set_threads(threads)
         self.name = name
+        self.weights = weights
         self.role = build_role(
             base_role(name),
             ctx,
@@ -65,11 +66,14 @@ class RoleActor:
 
     def info(self) -> dict[str, Any]:
         """Where this role runs."""
-        return {
+        info = {
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
         }
+        if hasattr(self.weights, "address"):  # the trainer's tcp weight server
+            info["weights_port"] = self.weights.address[1]
+        return info
 
     def ping(self) -> bool:
         return True
@@ -123,7 +127,6 @@ def run_ray(
     ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
 ) -> dict[str, Any]:
     from streamrl.bus.ray_bus import RayBus
-    from streamrl.weights.dcs import RayWeights
 
     t0 = time.perf_counter()
     ensure_ray(ctx)
@@ -132,7 +135,7 @@ def run_ray(
     bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx))
     for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
-    weights = RayWeights.create()
+    publisher = weights_for_trainer(ctx)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)
     roles = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
     names = [
@@ -141,6 +144,7 @@ def run_ray(
         for i in range(getattr(rt.roles, role).replicas)
     ]
     supervisor: Supervisor | None = None
+    subscriber = publisher
 
     def make_actor(name: str):
         # A restarted feeder continues from the trainer's step (re-adding a live batch is a no-op).
@@ -149,6 +153,7 @@ def run_ray(
             step = ray.get(supervisor.actors["trainer"].stats.remote())["step"]
         threads = ctx.cfg.trainer.threads if name == "trainer" else ROLE_THREADS
         options = placement_options(getattr(rt.roles, base_role(name)))
+        weights = publisher if name == "trainer" else subscriber
         return actor_cls.options(**options).remote(name, ctx, bus, weights, step, threads)
 
     supervisor = Supervisor(
@@ -162,7 +167,9 @@ def run_ray(
         health_timeout_s=rt.health_timeout_s,
     )
     try:
-        supervisor.start(names)
+        supervisor.start(["trainer"])  # first: its weight server's address goes to the others
+        subscriber = weights_for_engines(ctx, publisher, supervisor.info["trainer"])
+        supervisor.start([n for n in names if n != "trainer"])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
         loop_started = time.perf_counter()
         trainer = supervisor.actors["trainer"]
@@ -197,6 +204,30 @@ def run_ray(
         bus.close()
         log.info("roles stopped at %.1fs", time.perf_counter() - t0)
     return stats
+
+
+def weights_for_trainer(ctx: RunContext):
+    """The weight-sync handle the trainer publishes to (`runtime.weight_channel`)."""
+    rt = ctx.cfg.runtime
+    if rt.weight_channel == "tcp":
+        from streamrl.weights.remote import TcpPublisher, resolve_token
+
+        return TcpPublisher(rt.weight_bind, rt.weight_port, resolve_token(rt.weight_token))
+    from streamrl.weights.dcs import RayWeights
+
+    return RayWeights.create()
+
+
+def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
+    """The handle the other roles read weights from: the publisher itself for the object-store
+    channel, a client of the trainer's weight server for tcp."""
+    if ctx.cfg.runtime.weight_channel != "tcp":
+        return publisher
+    from streamrl.weights.remote import TcpSubscriber
+    from streamrl.weights.tcp import is_loopback
+
+    host = "127.0.0.1" if is_loopback(publisher.host) else trainer_info["node"]
+    return TcpSubscriber(host, trainer_info["weights_port"], publisher.token)
 
 
 def placement_options(placement) -> dict[str, Any]:

@@ -35,8 +35,11 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], *, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """Run `python -m streamrl.cli ARGS` to completion; fail the test with its output if it fails."""
+def run_cli(
+    args: list[str], *, timeout: float = 600, check_ok: bool = True, **kwargs
+) -> subprocess.CompletedProcess:
+    """Run `python -m streamrl.cli ARGS` to completion; fail the test with its output if it fails
+    (unless `check_ok` is False: then the caller checks the outcome)."""
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.cli", *args],
         cwd=REPO,
@@ -46,7 +49,7 @@ def run_cli(args: list[str], *, timeout: float = 600, **kwargs) -> subprocess.Co
         timeout=timeout,
         **kwargs,
     )
-    if proc.returncode != 0:
+    if check_ok and proc.returncode != 0:
         pytest.fail(
             f"streamrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
