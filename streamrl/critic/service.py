@@ -1,5 +1,9 @@
 """The critic role: a value model for PPO, scoring responses and learning from GAE returns.
 
+Its model and optimizer are saved to `critic.pt` in the run directory every
+`trainer.checkpoint_every` of its steps and loaded when the role starts, so a restarted or
+resumed critic continues rather than starting over.
+
 The value model is the policy's own architecture with a one-output token-classification head
 (`AutoModelForTokenClassification`, `num_labels=1`), initialised from the policy directory with
 the head zeroed, so every value starts at 0. Values use the same packing as the trainer's
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,6 +71,7 @@ class Critic:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
         self._loss_sum = 0.0
         self._tokens = 0.0
+        self.steps = 0
 
     @torch.no_grad()
     def values(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -111,9 +117,27 @@ class Critic:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
         out = {"critic/value_loss": self._loss_sum * scale}
         self._loss_sum, self._tokens = 0.0, 0.0
         return out
+
+    def save(self, path: Path) -> None:
+        """Model, optimizer and steps taken, written atomically (a crash leaves the old file)."""
+        tmp = path.with_suffix(".tmp")
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+        }
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
 
 
 def _pad(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
@@ -135,9 +159,18 @@ class CriticRole:
         max_staleness: int,
         max_rows: int,
         lease_s: float,
+        state_path: Path | None = None,
+        save_every: int = 0,
     ):
         self.bus = bus
         self.critic = critic
+        # The critic keeps its own state file, so a restarted or resumed critic carries on. It
+        # is saved every `save_every` of its steps, independently of the trainer's checkpoints,
+        # so after a trainer resume it may be a few batches ahead of or behind the policy.
+        self.state_path = state_path
+        self.save_every = save_every
+        if state_path is not None and state_path.exists():
+            critic.load(state_path)
         self.max_rows = max_rows
         self.lease_s = lease_s
         self.claim_wait_s = 0.0
@@ -181,6 +214,12 @@ class CriticRole:
         for lo in range(0, len(rows), self.max_rows):
             self.critic.accumulate(rows[lo : lo + self.max_rows])
         self.last_loss = self.critic.step()["critic/value_loss"]
+        if (
+            self.state_path is not None
+            and self.save_every
+            and self.critic.steps % self.save_every == 0
+        ):
+            self.critic.save(self.state_path)
         self.batches.ack_batch(b)
         self.busy_s += time.perf_counter() - start
         return True

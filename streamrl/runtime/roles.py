@@ -152,6 +152,8 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_staleness=cfg.rollout.max_staleness,
             max_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
             lease_s=rt.lease_s,
+            state_path=ctx.run_dir / "critic.pt",
+            save_every=cfg.trainer.checkpoint_every,
         )
     if name == "advantage":
         return AdvantageRole(

@@ -6,8 +6,8 @@ within `runtime.health_timeout_s` (a hung process is killed, then handled as dea
 
 - A stateless role (feeder, rollout, reward, reference, logp, advantage) is restarted in place:
   its open leases are handed back to the bus at once, so its rows are served again, and the new
-  process pulls the current weights. The critic restarts the same way but its value model starts
-  over (it is not yet in the checkpoint; a warning says so).
+  process pulls the current weights. The critic restarts the same way and
+  continues from its own state file (`critic.pt`).
 - The trainer is stateful: `TrainerLost` is raised and the controller resumes the run from the
   latest checkpoint.
 - Each role has `runtime.max_restarts` restarts, with exponential backoff; when they are spent,
@@ -149,7 +149,7 @@ class Supervisor:
         # idempotent, a row is trained once), it only repeats some work.
         base = base_role(name)
         released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
-        note = " (its value model starts over: the critic is not in the checkpoint yet)"
+        note = " (the critic continues from its last critic.pt)"
         self._event(
             name,
             reason,

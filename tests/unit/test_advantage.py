@@ -153,3 +153,39 @@ def test_group_statistics_do_not_wait() -> None:
     add_scored(bus, {"b0-p0": [1.0, 0.0]}, batch_index=0)
     assert role.step()
     assert bus.claim("check", [F.ADVANTAGES], 64) is not None
+
+
+def test_critic_state_round_trips(tmp_path) -> None:
+    from streamrl.critic.service import Critic, load_value_model
+    from streamrl.models.tiny import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir(
+        tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, seed=0
+    )
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            F.PROMPT_IDS: [5, 6, 7],
+            F.RESPONSE_IDS: [8, 9][: i + 1],
+            F.VALUES: np.zeros(i + 1, dtype=np.float32),
+            F.RETURNS: np.ones(i + 1, dtype=np.float32),
+        }
+        for i in range(2)
+    ]
+
+    def make() -> Critic:
+        return Critic(
+            load_value_model(model_dir), pad_token_id=0, lr=1e-2, value_clip=None, grad_clip=None
+        )
+
+    critic = make()
+    assert all(float(np.abs(v[F.VALUES]).max()) == 0.0 for v in critic.values(rows).values())
+    critic.accumulate(rows)
+    loss = critic.step()["critic/value_loss"]
+    assert loss == pytest.approx(0.5)  # values start at 0, returns are 1: 0.5 * 1^2 per token
+    critic.save(tmp_path / "critic.pt")
+    restored = make()
+    restored.load(tmp_path / "critic.pt")
+    assert restored.steps == 1
+    for key, value in critic.values(rows).items():
+        np.testing.assert_array_equal(restored.values(rows)[key][F.VALUES], value[F.VALUES])
