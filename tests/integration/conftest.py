@@ -64,3 +64,11 @@ def read_jsonl(path: Path) -> list[dict]:
 def quick_cache(tmp_path_factory) -> Path:
     """A cache folder whose warm-started policy for QUICK settings is built once per session."""
     return tmp_path_factory.mktemp("cache")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A run of the default job may also build the shared warm start (whichever test comes
+    first on a fresh clone): give `slow` tests room beyond the suite's 600 s default."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(1800))

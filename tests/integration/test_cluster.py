@@ -49,7 +49,7 @@ def test_roles_on_two_nodes_meet_the_accuracy_bar(tmp_path, two_nodes):
             "run.tensorboard=false",
             f"run.run_dir={run_dir}",
         ],
-        timeout=900,
+        timeout=1200,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["initial_eval_accuracy"] <= 0.4

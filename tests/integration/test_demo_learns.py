@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_default_job_learns(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = run_cli(["train", f"run.run_dir={run_dir}"], timeout=900)
+    proc = run_cli(["train", f"run.run_dir={run_dir}"], timeout=1200)
     summary = json.loads((run_dir / "summary.json").read_text())
 
     assert summary["mode"] == "ray" and summary["max_staleness"] == 1

@@ -74,7 +74,7 @@ def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) ->
 
 def finish(proc: subprocess.Popen) -> str:
     try:
-        out, _ = proc.communicate(timeout=900)
+        out, _ = proc.communicate(timeout=1200)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise

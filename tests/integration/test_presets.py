@@ -33,7 +33,7 @@ def test_preset_learns(tmp_path, preset: str) -> None:
             "run.tensorboard=false",
             f"run.run_dir={run_dir}",
         ],
-        timeout=900,
+        timeout=1200,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_steps"] == STEPS
