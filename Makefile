@@ -58,3 +58,18 @@ bench-vllm: $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) runs .cache
+
+## Data-bus throughput: streamrl's Ray bus (1 and 4 shards) vs TransferQueue, side by side
+## (docs/benchmarks.md). TransferQueue is a benchmark-only dependency: it adds tensordict,
+## hydra-core, omegaconf and pyvers to .venv; the install is refused if it changed torch or
+## transformers (the CPU torch pin and the vLLM-compatible transformers must stay).
+BENCH_BUS_STAMP := $(VENV)/.installed-bench-bus
+$(BENCH_BUS_STAMP): $(STAMP)
+	$(BIN)/python -c "import torch, transformers; print(torch.__version__, transformers.__version__)" > $(VENV)/.versions-before-bench-bus
+	$(BIN)/pip install --quiet transferqueue==0.1.11
+	$(BIN)/python -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | cmp - $(VENV)/.versions-before-bench-bus
+	touch $(BENCH_BUS_STAMP)
+
+.PHONY: bench-bus
+bench-bus: $(BENCH_BUS_STAMP)
+	$(BIN)/python benchmarks/bus.py

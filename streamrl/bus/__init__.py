@@ -18,7 +18,8 @@ BUS_KINDS: tuple[str, ...] = ("local", "ray")
 
 def make_bus(kind: str, **kwargs: Any) -> Bus:
     """Build a bus: ``"local"`` -> ``LocalBus(**kwargs)``; ``"ray"`` -> ``RayBus.create(**kwargs)``
-    (needs ``ray.init()`` first; ``name=`` names the actor)."""
+    (needs ``ray.init()`` first; ``name=`` names its shard 0, ``shards=`` spreads the rows over
+    that many actors)."""
     if kind == "local":
         return LocalBus(**kwargs)
     if kind == "ray":

@@ -1,213 +1,206 @@
-"""RayBus: the bus for multi-process runs, a thin client over one Ray actor.
+"""RayBus: the bus for multi-process runs, a client over N shard actors.
 
-The actor (``BusActor``) holds a ``LocalBus`` whose field values are not the values themselves
-but ``_Slot``s: an ObjectRef to a payload in Ray's object store and an index into it. So
-tensors never sit in the actor's heap and are never re-serialised per claim.
+Rows are spread over ``shards`` Ray actors (``BusShard``, each holding a ``ShardBus``) by group:
+the rows of group ``g`` live on shard ``crc32(g) % N``, so a group is always whole on one shard
+and group samplers need no cross-shard state. Field values never pass through a shard when
+they are large (``streamrl.bus.payload``)::
 
-Data path::
+    feeder ─ add_rows ──► shard 0 ── plan, check capacity, add ──► shards owning the groups
+    writer ─ write ─────► shard of each row (small values inline)
+      └─ large values ─► object store (one object per call; owned by the node's keeper)
+    reader ─ claim ─────► every shard (fan out) ─► merge by the sampler ─► give back extras
+      └─ one ray.get of the objects the kept rows point into
 
-    writer ──write(meta, payload)──► BusActor: ref = ray.put(payload); rows get _Slot(ref, i)
-    reader ◄──claim: rows of _Slots── BusActor
-    reader: one ray.get(unique refs) ──► rows with values
+What each call touches (one shard: every call is one actor call, as with a single actor):
 
-Ownership: an object in Ray's store lives as long as its owner process. The actor calls
-``ray.put`` itself, once per ``add_rows``/``write`` call, so the actor owns every payload and
-field values survive the death of the role that wrote them. (Ray 2.56 removed
-``ray.put(_owner=...)``, which would have let the writer put on the actor's behalf; passing the
-payload as an argument of the same call costs one extra copy on the way in.) When a row is
-freed, its slots are dropped and Ray frees a payload once no row references it.
+| call | shards | how |
+| --- | --- | --- |
+| ``register_consumer``, ``stats``, ``state_dict``, ``load_state_dict``, ``release_consumer``, ``can_add`` | all | fan out, merge |
+| ``add_rows`` | shard 0 | shard 0 validates on the owning shards, checks the global capacity, then adds; adds are serialised there, so the capacity is exact |
+| ``write``, ``drop`` | the rows' shards | routed; ids this client has not seen are located first |
+| ``claim`` | all (one if ``where`` pins ``group_id``) | each shard leases its own pick, the sampler re-runs over the union, rows not kept go back |
+| ``ack``, ``release``, ``renew`` | the lease's shards | the lease id names them: ``<uuid>@<shard>.<shard>`` |
 
-Every client method is exactly one actor call. ``RayBus`` holds only the actor handle, so it
-pickles cheaply and can be passed to other actors and tasks.
+A claim with ``wait_s`` on several shards claims from every shard not already being polled for
+it; if nothing comes back it long-polls those shards with ``wait_ready`` (which leases nothing)
+and, as soon as one poll fires, claims from the shards whose polls fired. Polls stay open across
+claims of the same request, so a role claiming in a loop asks only the shards that have rows.
+(A waiting claim may thus miss rows whose poll is in flight; a claim without ``wait_s`` always
+asks every shard.) With one shard the shard itself long-polls.
+
+Counters in ``stats`` are summed over shards, except ``leases_open`` which counts distinct
+leases; ``expired_leases`` counts per shard (a lease spanning k shards counts k times).
+
+``RayBus`` holds only the shard handles and options, so it pickles cheaply and can be passed to
+other actors and tasks.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
+import zlib
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import RayTaskError
 
-from streamrl.api.bus import Lease
+from streamrl.api.bus import Lease, UnknownSampleError
 from streamrl.bus import samplers
-from streamrl.bus.local import LocalBus
+from streamrl.bus.local import _check_field_names
+from streamrl.bus.payload import PAYLOAD_OWNERS, PayloadOwner, WireSlot, resolve, store
+from streamrl.bus.ray_shard import BusOptions, BusShard, ClaimReply, RemoteBusShard, get_all
 
-
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """Where one field value lives: element ``index`` of the payload list behind ``ref``.
-
-    Wrapping the ObjectRef keeps Ray from resolving it when it is passed as an argument or
-    returned, so only the reader fetches the bytes.
-    """
-
-    ref: ray.ObjectRef
-    index: int
-
-
-@dataclass(frozen=True, slots=True)
-class _WireSlot:
-    """A `_Slot` as sent to a client: position of its ref in the claim's list of unique refs.
-
-    Sending each distinct ObjectRef once per claim (not once per field of every row) keeps
-    Ray's per-reference bookkeeping off the hot path.
-    """
-
-    ref_pos: int
-    index: int
-
-
-class BusActor:
-    """Ray actor holding the bus state; each method is one call from a ``RayBus`` client."""
-
-    def __init__(self, **bus_kwargs: Any) -> None:
-        self._bus = LocalBus(**bus_kwargs)
-
-    def register_consumer(self, name: str) -> None:
-        self._bus.register_consumer(name)
-
-    def add_rows(
-        self,
-        rows: list[dict[str, Any]],
-        payload: list[Any],
-        summaries: dict[str, dict[str, Any]],
-    ) -> None:
-        slots = self._own(payload)
-        for row in rows:
-            row["fields"] = {name: slots[i] for name, i in row["fields"].items()}
-        self._bus.add_rows(rows, summaries=summaries)
-
-    def can_add(self, num_groups: int) -> bool:
-        return self._bus.can_add(num_groups)
-
-    def num_groups_live(self) -> int:
-        return self._bus.num_groups_live()
-
-    def write(
-        self,
-        updates: dict[str, dict[str, int]],
-        payload: list[Any],
-        summaries: dict[str, dict[str, Any]],
-    ) -> None:
-        slots = self._own(payload)
-        resolved = {sid: {name: slots[i] for name, i in v.items()} for sid, v in updates.items()}
-        self._bus.write(resolved, summaries=summaries)
-
-    def claim(self, consumer: str, fields: list[str], max_rows: int, **kwargs: Any) -> Any:
-        """Returns (lease or None, the unique payload refs its rows point into, this process's
-        time.monotonic()) so the client can rebase ``expires_at`` onto its own clock."""
-        lease = self._bus.claim(consumer, fields, max_rows, **kwargs)
-        refs: dict[ray.ObjectRef, int] = {}
-        if lease is not None:
-            for row in lease.rows:
-                for name, value in row.items():
-                    if isinstance(value, _Slot):
-                        pos = refs.setdefault(value.ref, len(refs))
-                        row[name] = _WireSlot(pos, value.index)
-        return lease, [[r] for r in refs], time.monotonic()
-
-    def ack(self, lease_id: str, sample_ids: list[str] | None) -> None:
-        self._bus.ack(lease_id, sample_ids)
-
-    def release(self, lease_id: str) -> None:
-        self._bus.release(lease_id)
-
-    def renew(self, lease_id: str, lease_s: float | None) -> None:
-        self._bus.renew(lease_id, lease_s)
-
-    def release_consumer(self, consumer: str) -> int:
-        return self._bus.release_consumer(consumer)
-
-    def drop(self, sample_ids: list[str], reason: str) -> None:
-        self._bus.drop(sample_ids, reason)
-
-    def stats(self) -> dict[str, Any]:
-        return self._bus.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._bus.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._bus.load_state_dict(state)
-
-    def close(self) -> None:
-        self._bus.close()
-
-    def _own(self, payload: list[Any]) -> list[_Slot]:
-        if not payload:
-            return []
-        ref = ray.put(payload)
-        return [_Slot(ref, i) for i in range(len(payload))]
-
-
-# Threaded: a claim waiting for rows (wait_s) must not block the writes that would satisfy it.
-_RemoteBusActor = ray.remote(max_concurrency=32)(BusActor)
+_LOCATED_KEPT = 200_000  # sample id -> shard entries a client remembers for routing
 
 
 class RayBus:
-    """Client implementing ``streamrl.api.bus.Bus`` over a ``BusActor``.
+    """Client implementing ``streamrl.api.bus.Bus`` over ``BusShard`` actors.
 
-    Build one with ``RayBus.create(...)`` (starts the actor; this client then owns it and
-    ``close()`` stops it) or ``RayBus.from_handle(handle)`` (attaches to a running actor;
-    ``close()`` only detaches this client). Copies sent to other processes attach.
+    Build one with ``RayBus.create(...)`` (starts the shards; this client then owns them and
+    ``close()`` stops them) or ``RayBus.from_handle(handle)`` (attaches to a running bus through
+    its shard 0; ``close()`` only detaches this client). Copies sent to other processes attach.
     """
 
-    def __init__(self, handle: ray.actor.ActorHandle, *, owns_actor: bool = False) -> None:
-        self._handle = handle
-        self._owns_actor = owns_actor
+    def __init__(
+        self,
+        shards: Sequence[ray.actor.ActorHandle],
+        options: BusOptions,
+        *,
+        owns_actors: bool = False,
+    ) -> None:
+        self._shards = list(shards)
+        self._options = options
+        self._owns_actors = owns_actors
         self._closed = False
+        self._keeper: ray.actor.ActorHandle | None = None
+        # sample id -> shard, for routing writes, drops and partial acks by sample id.
+        self._located: OrderedDict[str, int] = OrderedDict()
+        self._located_lock = threading.Lock()
+        self._polls = threading.local()  # open long polls of this thread's claim (_wait_any)
 
     @classmethod
-    def create(cls, name: str | None = None, **bus_kwargs: Any) -> RayBus:
-        """Start a ``BusActor`` (no CPU reserved: it mostly waits) holding a
-        ``LocalBus(**bus_kwargs)``; ``name`` makes it a named actor others can look up."""
-        handle = _RemoteBusActor.options(name=name, num_cpus=0).remote(**bus_kwargs)
-        return cls(handle, owns_actor=True)
+    def create(
+        cls,
+        name: str | None = None,
+        *,
+        shards: int = 1,
+        capacity_groups: int | None = None,
+        closed_leases_kept: int = 10_000,
+        inline_bytes: int = 256 * 1024,
+        payload_owner: PayloadOwner = "keeper",
+    ) -> RayBus:
+        """Start ``shards`` shard actors (no CPU reserved: they mostly wait).
+
+        Args:
+            name: makes shard 0 a named actor others can attach to (``ray.get_actor``).
+            shards: number of shard actors; groups are spread over them by hash.
+            capacity_groups: at most this many groups live across all shards (None: unbounded).
+            closed_leases_kept: per shard, how many closed leases to remember for late acks.
+            inline_bytes: field values smaller than this travel inline through a shard;
+                larger ones go through the object store (``streamrl.bus.payload``).
+            payload_owner: who owns object-store payloads: ``"keeper"`` (survives the writer)
+                or ``"writer"`` (cheaper; lost if the writer dies).
+        """
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an int >= 1, got {shards!r}")
+        if capacity_groups is not None and capacity_groups < 1:
+            raise ValueError(f"capacity_groups must be >= 1 or None, got {capacity_groups}")
+        if payload_owner not in PAYLOAD_OWNERS:
+            raise ValueError(
+                f"payload_owner must be one of {PAYLOAD_OWNERS}, got {payload_owner!r}"
+            )
+        options = BusOptions(capacity_groups, inline_bytes, payload_owner)
+        strategy = "SPREAD" if shards > 1 else "DEFAULT"
+        handles = [
+            RemoteBusShard.options(
+                name=name if k == 0 else None, num_cpus=0, scheduling_strategy=strategy
+            ).remote(k, shards, capacity_groups, closed_leases_kept)
+            for k in range(shards)
+        ]
+        get_all([handles[0].connect.remote(handles, options)])
+        return cls(handles, options, owns_actors=True)
 
     @classmethod
     def from_handle(cls, handle: ray.actor.ActorHandle) -> RayBus:
-        """Attach to a running ``BusActor``, e.g. one found with ``ray.get_actor(name)``."""
-        return cls(handle)
+        """Attach to a running bus through its shard 0, e.g. ``ray.get_actor(name)``."""
+        shards, options = get_all([handle.topology.remote()])[0]
+        return cls(shards, options)
 
     @property
     def handle(self) -> ray.actor.ActorHandle:
-        return self._handle
+        """Shard 0, through which other clients can attach (``from_handle``)."""
+        return self._shards[0]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RayBus.from_handle, (self._handle,))
+        return (RayBus, (self._shards, self._options))
 
-    # -- Bus protocol ---------------------------------------------------------------------
+    # -- Bus protocol: rows ------------------------------------------------------------------
 
     def register_consumer(self, name: str) -> None:
-        self._call("register_consumer", name)
+        self._on_all("register_consumer", name)
 
     def add_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        payload: list[Any] = []
+        rows = [dict(row) for row in rows]
+        stored = self._store({i: row.get("fields") or {} for i, row in enumerate(rows)})
         summaries: dict[str, dict[str, Any]] = {}
-        meta_rows = []
-        for row in rows:
-            meta = dict(row)
-            fields = meta.get("fields") or {}
-            meta["fields"] = _index_into(payload, fields)
-            if fields and "sample_id" in meta:
-                summaries[meta["sample_id"]] = samplers.summarize(fields)
-            meta_rows.append(meta)
-        self._call("add_rows", meta_rows, payload, summaries)
+        for i, row in enumerate(rows):
+            fields = row.get("fields") or {}
+            if fields and "sample_id" in row:
+                summaries[row["sample_id"]] = samplers.summarize(fields)
+            row["fields"] = stored[i]
+        if self.num_shards == 1:
+            self._on({0: (rows, summaries)}, "add_rows")
+            return
+        rows_by_shard: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+        summaries_by_shard: dict[int, dict[str, Any]] = defaultdict(dict)
+        for pos, row in enumerate(rows):
+            k = self._shard_of(row.get("group_id"))
+            rows_by_shard[k].append((pos, row))
+            if row.get("sample_id") in summaries:
+                summaries_by_shard[k][row["sample_id"]] = summaries[row["sample_id"]]
+        self._on({0: (dict(rows_by_shard), dict(summaries_by_shard))}, "add_rows_sharded")
+        self._remember((row["sample_id"], row["group_id"]) for row in rows)
 
     def can_add(self, num_groups: int) -> bool:
-        return self._call("can_add", num_groups)
+        if self.num_shards == 1:
+            return self._on({0: (num_groups,)}, "can_add")[0]
+        cap = self._options.capacity_groups
+        return cap is None or self.num_groups_live() + num_groups <= cap
 
     def num_groups_live(self) -> int:
-        return self._call("num_groups_live")
+        return sum(self._on_all("num_groups_live").values())
 
     def write(self, updates: Mapping[str, Mapping[str, Any]]) -> None:
-        payload: list[Any] = []
-        indexed = {sid: _index_into(payload, values) for sid, values in updates.items()}
-        summaries = {sid: samplers.summarize(values) for sid, values in updates.items()}
-        self._call("write", indexed, payload, summaries)
+        updates = {sample_id: dict(values) for sample_id, values in updates.items()}
+        if self.num_shards > 1:
+            for values in updates.values():  # before any shard writes: all or nothing
+                _check_field_names(values)
+        by_shard, unknown = self._locate(list(updates))
+        if unknown:
+            raise UnknownSampleError(unknown[0])
+        stored = self._store(updates)
+        summaries = {sid: s for sid, values in updates.items() if (s := samplers.summarize(values))}
+        calls = {
+            k: ({s: stored[s] for s in ids}, {s: summaries[s] for s in ids if s in summaries})
+            for k, ids in by_shard.items()
+        }
+        self._on(calls, "write")
+
+    def drop(self, sample_ids: Sequence[str], reason: str) -> None:
+        by_shard, unknown = self._locate(list(sample_ids))
+        if unknown:
+            raise UnknownSampleError(unknown[0])
+        self._on({k: (ids, reason) for k, ids in by_shard.items()}, "drop")
+
+    # -- Bus protocol: leases ----------------------------------------------------------------
 
     def claim(
         self,
@@ -221,85 +214,321 @@ class RayBus:
         sampler_options: Mapping[str, Any] | None = None,
         wait_s: float = 0.0,
     ) -> Lease | None:
-        sent_at = time.monotonic()
-        lease, ref_holders, actor_now = self._call(
-            "claim",
-            consumer,
-            fields if isinstance(fields, str) else list(fields),
-            max_rows,
-            sampler=sampler,
-            where=dict(where) if where else None,
-            lease_s=lease_s,
-            sampler_options=dict(sampler_options) if sampler_options else None,
-            wait_s=wait_s,
-        )
-        if lease is None:
-            return None
-        # Rebase onto this process's clock, counting from before the call (errs early).
-        lease.expires_at = sent_at + (lease.expires_at - actor_now)
-        _resolve_slots(lease.rows, [h[0] for h in ref_holders])
-        return lease
+        self._check_open()
+        request = {
+            "consumer": consumer,
+            "fields": fields if isinstance(fields, str) else list(fields),  # str: shard raises
+            "max_rows": max_rows,
+            "sampler": sampler,
+            "where": dict(where) if where else None,
+            "sampler_options": dict(sampler_options) if sampler_options else None,
+        }
+        targets = self._claim_targets(where)
+        if len(targets) == 1 or wait_s <= 0:  # one shard long-polls by itself; or no wait
+            return self._claim_round(targets, request, lease_s, wait_s)
+        deadline = time.monotonic() + wait_s
+        while True:
+            ready = self._unpolled(targets, request)
+            lease = self._claim_round(ready, request, lease_s, 0.0) if ready else None
+            remaining = deadline - time.monotonic()
+            if lease is not None or remaining <= 0:
+                return lease
+            self._wait_any(targets, request, remaining)
 
     def ack(self, lease_id: str, sample_ids: Sequence[str] | None = None) -> None:
-        self._call("ack", lease_id, None if sample_ids is None else list(sample_ids))
+        lease_uuid, shards = self._split_lease_id(lease_id)
+        if sample_ids is None or len(shards) == 1:
+            ids = None if sample_ids is None else list(sample_ids)
+            self._on({k: (lease_uuid, ids) for k in shards}, "ack")
+            return
+        by_shard, unknown = self._locate(list(sample_ids))
+        outside = unknown + [s for k, ids in by_shard.items() if k not in shards for s in ids]
+        if outside:
+            raise ValueError(
+                f"ack of lease {lease_id!r} names sample ids it does not hold: {sorted(outside)}"
+            )
+        self._on({k: (lease_uuid, by_shard.get(k, [])) for k in shards}, "ack")
 
     def release(self, lease_id: str) -> None:
-        self._call("release", lease_id)
+        lease_uuid, shards = self._split_lease_id(lease_id)
+        self._on({k: (lease_uuid,) for k in shards}, "release")
 
     def renew(self, lease_id: str, lease_s: float | None = None) -> None:
-        self._call("renew", lease_id, lease_s)
+        lease_uuid, shards = self._split_lease_id(lease_id)
+        self._on({k: (lease_uuid, lease_s) for k in shards}, "renew")
 
     def release_consumer(self, consumer: str) -> int:
-        return self._call("release_consumer", consumer)
+        released = self._on_all("release_consumer", consumer).values()
+        return len({lease_id for ids in released for lease_id in ids})
 
-    def drop(self, sample_ids: Sequence[str], reason: str) -> None:
-        self._call("drop", list(sample_ids), reason)
+    # -- Bus protocol: reporting, checkpoints, shutdown ----------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return self._call("stats")
+        parts = list(self._on_all("stats").values())
+        merged = _sum_counters([stats for stats, _ in parts])
+        merged["leases_open"] = len({lease_id for _, ids in parts for lease_id in ids})
+        return merged
 
     def state_dict(self) -> dict[str, Any]:
-        return self._call("state_dict")
+        parts = list(self._on_all("state_dict").values())
+        return {
+            "version": parts[0]["version"],
+            "consumers": parts[0]["consumers"],
+            "counters": _sum_counters([part["counters"] for part in parts]),
+            "freed": sorted({sample_id for part in parts for sample_id in part["freed"]}),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._call("load_state_dict", state)
+        if self.num_shards == 1:
+            self._on({0: (state,)}, "load_state_dict")
+            return
+        num_live = self.stats()["rows_live"]
+        if num_live:
+            raise ValueError(
+                f"load_state_dict() on a bus with {num_live} live rows; load the state before "
+                "the feeder adds rows"
+            )
+        # Counters are loaded once (shard 0), the freed ids everywhere: a re-added id is
+        # recognised by whichever shard its group maps to.
+        self._on({0: (state,)}, "load_state_dict")
+        counters = {
+            k: {name: 0 for name in v} if isinstance(v, dict) else 0
+            for k, v in state["counters"].items()
+        }
+        rest = {**state, "counters": counters}
+        self._on({k: (rest,) for k in range(1, self.num_shards)}, "load_state_dict")
 
     def close(self) -> None:
-        """Owner: empty the bus and stop the actor. Attached client: detach. Idempotent."""
+        """Owner: empty the bus and stop its actors. Attached client: detach. Idempotent."""
         if self._closed:
             return
-        if self._owns_actor:
-            self._call("close")
-            ray.kill(self._handle)
+        if self._owns_actors:
+            self._on_all("close")
+            for shard in self._shards:
+                ray.kill(shard)
         self._closed = True
 
-    # -- internals ----------------------------------------------------------------------
+    # -- internals: claims -----------------------------------------------------------------
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _claim_targets(self, where: Mapping[str, tuple[str, Any]] | None) -> list[int]:
+        condition = (where or {}).get("group_id")
+        if isinstance(condition, tuple | list) and len(condition) == 2 and condition[0] == "==":
+            if isinstance(condition[1], str):
+                return [self._shard_of(condition[1])]
+        return list(range(self.num_shards))
+
+    def _claim_round(
+        self, targets: list[int], request: dict[str, Any], lease_s: float, wait_s: float
+    ) -> Lease | None:
+        """One claim over ``targets``: every shard leases its own pick under one lease id; with
+        several answers the sampler re-runs over their union and the rest goes back."""
+        lease_uuid = uuid.uuid4().hex
+        merge = len(targets) > 1
+        sent_at = time.monotonic()
+        refs = [
+            self._shards[k].claim.remote(
+                lease_uuid, lease_s=lease_s, wait_s=wait_s, with_views=merge, **request
+            )
+            for k in targets
+        ]
+        replies = self._gather_claims(lease_uuid, targets, refs)
+        if not replies:
+            return None
+        rows_by_id = {
+            row["sample_id"]: (k, row) for k, reply in replies.items() for row in reply.rows
+        }
+        if len(replies) == 1:
+            chosen = list(rows_by_id)
+        else:
+            views = sorted((v for r in replies.values() for v in r.views), key=lambda v: v.seq)
+            chosen = samplers.select(
+                request["sampler"], views, request["max_rows"], request["sampler_options"]
+            )
+        kept, give_back = self._give_back(lease_uuid, replies, set(chosen))
+        # One list of refs for the whole lease: shift each shard's wire slots by an offset.
+        refs_all: list[ray.ObjectRef] = []
+        offsets = {}
+        for k, reply in replies.items():
+            offsets[k] = len(refs_all)
+            refs_all.extend(reply.refs)
+        rows = [_shift_slots(rows_by_id[s][1], offsets[rows_by_id[s][0]]) for s in chosen]
+        resolve(rows, refs_all)
+        get_all(give_back)
+        self._remember((row["sample_id"], row["group_id"]) for row in rows)
+        expires_at = min(sent_at + (replies[k].expires_at - replies[k].shard_now) for k in kept)
+        lease_id = f"{lease_uuid}@{'.'.join(map(str, kept))}"
+        return Lease(lease_id, request["consumer"], rows, expires_at)
+
+    def _gather_claims(
+        self, lease_uuid: str, targets: list[int], refs: list[ray.ObjectRef]
+    ) -> dict[int, ClaimReply]:
+        """The shards' non-empty answers; if any shard failed, undo the others and raise."""
+        replies: dict[int, ClaimReply] = {}
+        error: RayTaskError | None = None
+        for k, ref in zip(targets, refs, strict=True):
+            try:
+                reply = ray.get(ref)
+            except RayTaskError as err:
+                error = error or err
+                continue
+            if reply is not None:
+                replies[k] = reply
+        if error is not None:
+            get_all([self._shards[k].release.remote(lease_uuid) for k in replies])
+            raise error.cause from error
+        return replies
+
+    def _give_back(
+        self, lease_uuid: str, replies: dict[int, ClaimReply], chosen: set[str]
+    ) -> tuple[list[int], list[ray.ObjectRef]]:
+        """Start returning each shard's rows not in ``chosen``; returns the shards that keep
+        rows and the calls to wait for."""
+        kept, calls = [], []
+        for k in sorted(replies):
+            ids = [row["sample_id"] for row in replies[k].rows]
+            keep = [s for s in ids if s in chosen]
+            if keep:
+                kept.append(k)
+            if len(keep) < len(ids):
+                calls.append(self._shards[k].keep_only.remote(lease_uuid, keep))
+        return kept, calls
+
+    def _polls_for(self, request: dict[str, Any]) -> dict[int, ray.ObjectRef]:
+        """This thread's open long polls (shard -> ``wait_ready`` call) for ``request``. They
+        outlive a claim: a role claims in a loop, and the next claim reuses them."""
+        key = repr(sorted(request.items()))
+        if getattr(self._polls, "key", None) != key:
+            self._polls.key, self._polls.refs = key, {}
+        return self._polls.refs
+
+    def _unpolled(self, targets: list[int], request: dict[str, Any]) -> list[int]:
+        """The targets a waiting claim should ask now: those whose poll has fired (or timed
+        out) and those not being polled. A shard whose poll is still open has had nothing for
+        this claim since the poll began."""
+        polls = self._polls_for(request)
+        if polls:
+            done, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=0)
+            fired = [k for k, ref in polls.items() if ref in done]
+            for k in fired:
+                del polls[k]
+            get_all(done)  # surface a shard's error (unknown consumer, bad sampler, ...)
+        return [k for k in targets if k not in polls]
+
+    def _wait_any(self, targets: list[int], request: dict[str, Any], timeout_s: float) -> None:
+        """Long-poll every target shard (opening the polls not yet open) until one has rows
+        for this claim or the time is up."""
+        polls = self._polls_for(request)
+        options = {name: request[name] for name in ("sampler", "where", "sampler_options")}
+        for k in targets:
+            if k not in polls:
+                polls[k] = self._shards[k].wait_ready.remote(
+                    request["consumer"],
+                    request["fields"],
+                    request["max_rows"],
+                    timeout_s=timeout_s,
+                    **options,
+                )
+        ray.wait(list(polls.values()), num_returns=1, timeout=timeout_s)
+
+    # -- internals: routing and calls ---------------------------------------------------------
+
+    def _shard_of(self, group_id: Any) -> int:
+        if not isinstance(group_id, str) or self.num_shards == 1:
+            return 0  # a bad group id is reported by the shard's validation
+        return zlib.crc32(group_id.encode()) % self.num_shards
+
+    def _remember(self, pairs: Any) -> None:
+        """Record ``(sample_id, group_id)`` pairs seen in adds and claims, for routing."""
+        if self.num_shards == 1:
+            return
+        with self._located_lock:
+            for sample_id, group_id in pairs:
+                self._located[sample_id] = self._shard_of(group_id)
+            while len(self._located) > _LOCATED_KEPT:
+                self._located.popitem(last=False)
+
+    def _locate(self, sample_ids: list[str]) -> tuple[dict[int, list[str]], list[str]]:
+        """Sample ids by shard, and those no shard has seen. Ids this client has not seen in
+        an add or a claim are looked up on every shard (one fan-out)."""
+        if self.num_shards == 1:
+            return {0: sample_ids}, []
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        missing = []
+        with self._located_lock:
+            for sample_id in sample_ids:
+                k = self._located.get(sample_id)
+                if k is None:
+                    missing.append(sample_id)
+                else:
+                    by_shard[k].append(sample_id)
+        unknown = []
+        if missing:
+            found = self._on_all("locate", missing)
+            shard_of = {s: k for k, ids in found.items() for s in ids}
+            for sample_id in missing:
+                if sample_id in shard_of:
+                    by_shard[shard_of[sample_id]].append(sample_id)
+                else:
+                    unknown.append(sample_id)
+            with self._located_lock:
+                self._located.update(shard_of)
+        return dict(by_shard), unknown
+
+    def _split_lease_id(self, lease_id: str) -> tuple[str, list[int]]:
+        """``"<uuid>@<k>.<k>"`` -> (uuid, shard indices)."""
+        self._check_open()
+        lease_uuid, _, shard_part = lease_id.rpartition("@")
+        parts = shard_part.split(".")
+        if lease_uuid and all(p.isdigit() and int(p) < self.num_shards for p in parts):
+            return lease_uuid, [int(p) for p in parts]
+        raise ValueError(f"unknown lease id {lease_id!r}: never issued by this bus")
+
+    def _store(self, values_by_key: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
+        adopt = self._keeper_adopt if self._options.payload_owner == "keeper" else None
+        return store(values_by_key, inline_bytes=self._options.inline_bytes, adopt=adopt)
+
+    def _keeper_adopt(self, ref: ray.ObjectRef) -> ray.ObjectRef:
+        if self._keeper is None:
+            node_id = ray.get_runtime_context().get_node_id()
+            self._keeper = self._on({0: (node_id,)}, "keeper")[0]
+        return get_all([self._keeper.adopt.remote([ref])])[0][0]
+
+    def _on_all(self, method: str, *args: Any) -> dict[int, Any]:
+        return self._on({k: args for k in range(self.num_shards)}, method)
+
+    def _on(self, args_by_shard: Mapping[int, tuple], method: str) -> dict[int, Any]:
+        """Call ``method`` on the given shards at once; results by shard. Raises the shards'
+        own exception (ValueError, BusFullError, ...), after every call has finished."""
+        self._check_open()
+        refs = [getattr(self._shards[k], method).remote(*args) for k, args in args_by_shard.items()]
+        return dict(zip(args_by_shard, get_all(refs), strict=True))
+
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the bus is closed")
-        try:
-            return ray.get(getattr(self._handle, method).remote(*args, **kwargs))
-        except RayTaskError as err:
-            # Surface the bus's own exception (ValueError, BusFullError, ...) to the caller.
-            raise err.cause from err
 
 
-def _index_into(payload: list[Any], values: Mapping[str, Any]) -> dict[str, int]:
-    """Append ``values`` to ``payload``; return {field: index in payload}."""
-    indices = {}
-    for name, value in values.items():
-        indices[name] = len(payload)
-        payload.append(value)
-    return indices
+def _shift_slots(row: dict[str, Any], offset: int) -> dict[str, Any]:
+    if not offset:
+        return row
+    return {
+        name: WireSlot(v.ref_pos + offset, v.index) if isinstance(v, WireSlot) else v
+        for name, v in row.items()
+    }
 
 
-def _resolve_slots(rows: list[dict[str, Any]], refs: list[ray.ObjectRef]) -> None:
-    """Replace every ``_WireSlot`` in ``rows`` with its value, fetching each payload once."""
-    if not refs:
-        return
-    payloads = ray.get(refs)
-    for row in rows:
-        for name, value in row.items():
-            if isinstance(value, _WireSlot):
-                row[name] = payloads[value.ref_pos][value.index]
+def _sum_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Add counters key by key; dict-valued counters (per consumer, per reason) entry by entry."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                into = out.setdefault(key, {})
+                for name, count in value.items():
+                    into[name] = into.get(name, 0) + count
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+__all__ = ["BusShard", "RayBus"]

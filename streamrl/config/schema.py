@@ -318,6 +318,9 @@ class RuntimeConfig(Section):
     """Address of an existing Ray cluster; None starts a local instance."""
     roles: RolesConfig = RolesConfig()
     """Ray mode: resources, replicas and node of each role."""
+    bus_shards: int = Field(1, ge=1)
+    """Ray mode: actors the bus's row metadata is spread over (groups hashed to shards). One is
+    fastest on a single machine; more only help when one bus actor's core is the bottleneck."""
     weight_channel: Literal["object_store", "tcp"] = "object_store"
     """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
     with a fast object store), or a TCP weight server in the trainer process that streams

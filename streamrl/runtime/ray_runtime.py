@@ -132,7 +132,7 @@ def run_ray(
     ensure_ray(ctx)
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
     rt = ctx.cfg.runtime
-    bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx))
+    bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx), shards=rt.bus_shards)
     for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     publisher = weights_for_trainer(ctx)

@@ -1,8 +1,9 @@
 """Contract suite for ``streamrl.api.bus.Bus``: every implementation must pass every test.
 
-Each test runs against ``LocalBus`` ("local") and ``RayBus`` over a live local Ray instance
-("ray"). Ray is started once for the module, only if a "ray" case runs. Tests at the end cover
-what only the Ray bus promises (payload ownership, pickling the client).
+Each test runs against ``LocalBus`` ("local"), ``RayBus`` with one shard ("ray") and ``RayBus``
+with its rows spread over several shards ("ray-sharded") over a live local Ray instance. Ray is
+started once for the module, only if a Ray case runs. Tests at the end cover what only the Ray
+bus promises (payload ownership, pickling the client, merging claims across shards).
 """
 
 from __future__ import annotations
@@ -34,14 +35,25 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(params=["local", "ray"])
+# Three shards: the group ids used below ("a", "b", "g", "h", ...) then land on different shards,
+# so claims, capacity and leases are exercised across shards.
+SHARDS = 3
+BUS_PARAMS = {
+    "local": ("local", {}),
+    "ray": ("ray", {}),
+    "ray-sharded": ("ray", {"shards": SHARDS}),
+}
+
+
+@pytest.fixture(params=list(BUS_PARAMS))
 def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Bus]]:
-    if request.param == "ray":
+    kind, options = BUS_PARAMS[request.param]
+    if kind == "ray":
         request.getfixturevalue("ray_cluster")
     created: list[Bus] = []
 
     def factory(**kwargs: Any) -> Bus:
-        bus = make_bus(request.param, **kwargs)
+        bus = make_bus(kind, **options, **kwargs)
         created.append(bus)
         return bus
 
@@ -626,11 +638,11 @@ def test_close_is_idempotent_and_final(make: Callable[..., Bus]) -> None:
 # -- Ray only ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def ray_bus(ray_cluster: None) -> Iterator[Any]:
+@pytest.fixture(params=[1, SHARDS], ids=["1shard", f"{SHARDS}shards"])
+def ray_bus(request: pytest.FixtureRequest, ray_cluster: None) -> Iterator[Any]:
     from streamrl.bus.ray_bus import RayBus
 
-    bus = RayBus.create()
+    bus = RayBus.create(shards=request.param)
     bus.register_consumer("trainer")
     yield bus
     bus.close()
@@ -724,3 +736,131 @@ def test_ray_payload_is_freed_with_its_rows(ray_bus: Any) -> None:
     assert _num_store_objects() == baseline + 1  # g/1 still references the payload
     ray_bus.drop(["g/1"], "test")
     assert _wait_for_store_objects(baseline) == baseline
+
+
+# -- Ray, several shards ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def sharded(ray_cluster: None) -> Iterator[Any]:
+    from streamrl.bus.ray_bus import RayBus
+
+    bus = RayBus.create(shards=SHARDS, capacity_groups=None)
+    bus.register_consumer("trainer")
+    yield bus
+    bus.close()
+
+
+def _groups_per_shard(bus: Any) -> list[int]:
+    import ray
+
+    shards, _ = ray.get(bus.handle.topology.remote())
+    return ray.get([shard.num_groups_live.remote() for shard in shards])
+
+
+def test_sharded_claims_merge_shards_in_creation_order(sharded: Any) -> None:
+    for g in range(6):
+        sharded.add_rows(group_rows(f"g{g}", 2))
+    assert sum(1 for n in _groups_per_shard(sharded) if n) > 1  # really spread
+    created = [f"g{g}/{i}" for g in range(6) for i in range(2)]
+    first = sharded.claim("trainer", [], 5)
+    assert ids(first) == created[:5]
+    assert ids(sharded.claim("trainer", [], 100)) == created[5:]  # the rest came back at once
+    whole = sharded.claim("trainer", [], 3, sampler="group")
+    assert whole is None  # every row is leased
+    sharded.release(first.lease_id)
+    assert ids(sharded.claim("trainer", [], 3, sampler="group")) == ["g0/0", "g0/1"]
+
+
+def test_sharded_partial_ack_routes_by_sample_id(sharded: Any) -> None:
+    from streamrl.bus.ray_bus import RayBus
+
+    sharded.add_rows(group_rows("a", 2) + group_rows("b", 2))  # "a" and "b": different shards
+    lease = sharded.claim("trainer", [], 10)
+    assert lease.lease_id.count(".") == 1  # spans two shards
+    other = RayBus.from_handle(sharded.handle)  # has never seen these rows: must look them up
+    other.ack(lease.lease_id, ["a/0", "b/1"])
+    assert ids(sharded.claim("trainer", [], 10)) == ["a/1", "b/0"]
+    other.write({"b/0": {"reward": 1.0}})
+    with pytest.raises(UnknownSampleError):
+        other.write({"nope": {"reward": 1.0}, "a/1": {"reward": 0.0}})
+    assert sharded.stats()["acked"]["trainer"] == 2
+
+
+def test_sharded_capacity_is_exact_under_concurrent_feeders(ray_cluster: None) -> None:
+    from streamrl.bus.ray_bus import RayBus
+
+    bus = RayBus.create(shards=SHARDS, capacity_groups=5)
+    try:
+        bus.register_consumer("trainer")
+
+        def feed(name: str) -> None:
+            for g in range(8):
+                try:
+                    bus.add_rows(group_rows(f"{name}{g}", 1))
+                except BusFullError:
+                    pass
+
+        threads = [threading.Thread(target=feed, args=(name,)) for name in ("x", "y", "z")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert bus.num_groups_live() == 5 and not bus.can_add(1)
+        assert sum(_groups_per_shard(bus)) == 5
+    finally:
+        bus.close()
+
+
+def test_sharded_long_poll_wakes_on_any_shard(sharded: Any) -> None:
+    for g in range(6):
+        sharded.add_rows(group_rows(f"g{g}", 1))
+    join = run_later((0.3, lambda: sharded.write({"g4/0": {"reward": 1.0}})))
+    start = time.monotonic()
+    lease = sharded.claim("trainer", ["reward"], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(lease) == ["g4/0"] and 0.25 <= elapsed < 2.0
+
+
+def test_ray_small_values_travel_inline_and_survive_the_writer(ray_bus: Any) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def write(self, bus: Bus, rows: list[dict[str, Any]]) -> None:
+            bus.add_rows(rows)
+            bus.write({"g/0": {"response_ids": np.arange(100)}})  # small: kept by the shard
+
+    writer = Writer.remote()
+    ray.get(writer.write.remote(ray_bus, group_rows("g", 1)))
+    ray.kill(writer)
+    time.sleep(0.5)
+    lease = ray_bus.claim("trainer", ["response_ids"], 1)
+    np.testing.assert_array_equal(lease.rows[0]["response_ids"], np.arange(100))
+
+
+def test_ray_writer_owned_payloads_die_with_the_writer(ray_cluster: None) -> None:
+    import ray
+    from ray.exceptions import ObjectLostError
+
+    from streamrl.bus.ray_bus import RayBus
+
+    bus = RayBus.create(payload_owner="writer")
+    try:
+        bus.register_consumer("trainer")
+
+        @ray.remote(num_cpus=0)
+        class Writer:
+            def write(self, bus: Bus) -> None:
+                bus.write({"g/0": {"response_ids": np.arange(100_000)}})  # large: by reference
+
+        bus.add_rows(group_rows("g", 1))
+        writer = Writer.remote()
+        ray.get(writer.write.remote(bus))
+        ray.kill(writer)
+        time.sleep(0.5)
+        with pytest.raises(ObjectLostError):  # the documented price of payload_owner="writer"
+            bus.claim("trainer", ["response_ids"], 1)
+    finally:
+        bus.close()
