@@ -211,11 +211,11 @@ class FSDPLearner(Learner):
         self.version = int(state["version"])
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
+        raise TypeError(
             "a sharded learner has no single-process state dict: use save_checkpoint(path)"
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        raise NotImplementedError(
+        raise TypeError(
             "a sharded learner has no single-process state dict: use load_checkpoint(path)"
         )
