@@ -115,6 +115,7 @@ def ensure_ray(ctx: RunContext) -> None:
         ray.init(address=rt.ray_address, log_to_driver=True)
     else:
         ray.init(
+            address="local",  # our own instance, even if another Ray cluster runs on this machine
             num_cpus=rt.num_cpus or os.cpu_count() or 1,
             include_dashboard=False,
             log_to_driver=True,
