@@ -73,3 +73,12 @@ $(BENCH_BUS_STAMP): $(STAMP)
 .PHONY: bench-bus
 bench-bus: $(BENCH_BUS_STAMP)
 	$(BIN)/python benchmarks/bus.py
+
+## streamrl vs TRL's GRPOTrainer on the same work, and how close the async run comes to perfect
+## overlap of rollout and training (docs/benchmarks.md). TRL comes with the test extras.
+.PHONY: bench-trl bench-overlap
+bench-trl: $(STAMP)
+	$(BIN)/python benchmarks/vs_trl.py
+
+bench-overlap: $(STAMP)
+	$(BIN)/python benchmarks/overlap.py
