@@ -1,1 +1,0 @@
-"""Test doubles: small stand-ins for external services, speaking their documented APIs."""
