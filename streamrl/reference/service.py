@@ -55,7 +55,7 @@ class ReferenceRole(TransformRole):
 LOGP_CONSUMER = "logp"
 
 
-class LogpRole(TransformRole):
+class LogpRole(ReferenceRole):
     """The pi_old role of decoupled PPO: log-probs under the newest published policy.
 
     Before each batch of rows it pulls newer weights from the weight-sync service, then writes
@@ -65,25 +65,11 @@ class LogpRole(TransformRole):
     """
 
     consumer = LOGP_CONSUMER
-    consumes = (F.PROMPT_IDS, F.RESPONSE_IDS)
 
-    def __init__(
-        self,
-        bus,
-        weights,
-        model,
-        *,
-        pad_token_id: int,
-        temperature: float,
-        max_rows: int,
-        lease_s: float,
-    ):
-        super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
+    def __init__(self, bus, weights, model, **kwargs):
+        super().__init__(bus, model, **kwargs)
         self.weights = weights
-        self.model = model.eval()
         self.version = -1
-        self.pad_token_id = pad_token_id
-        self.temperature = temperature
 
     def pull_weights(self) -> None:
         newer = self.weights.fetch_newer(self.version)

@@ -115,32 +115,20 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_rows=group_rows,
             lease_s=rt.lease_s,
         )
-    if name == "reference":
+    if name in ("reference", "logp"):
         from streamrl.models.loading import load_causal_lm
-        from streamrl.reference.service import ReferenceRole
+        from streamrl.reference.service import LogpRole, ReferenceRole
 
         model = load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype)
-        return ReferenceRole(
-            bus,
-            model,
-            pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
-            temperature=cfg.rollout.temperature,
-            max_rows=group_rows,
-            lease_s=rt.lease_s,
-        )
-    if name == "logp":
-        from streamrl.models.loading import load_causal_lm
-        from streamrl.reference.service import LogpRole
-
-        return LogpRole(
-            bus,
-            weights,
-            load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype),
-            pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
-            temperature=cfg.rollout.temperature,
-            max_rows=group_rows,
-            lease_s=rt.lease_s,
-        )
+        scoring = {
+            "pad_token_id": load_tokenizer(ctx.policy_dir).pad_token_id,
+            "temperature": cfg.rollout.temperature,
+            "max_rows": group_rows,
+            "lease_s": rt.lease_s,
+        }
+        if name == "logp":  # follows the published weights; the reference stays frozen
+            return LogpRole(bus, weights, model, **scoring)
+        return ReferenceRole(bus, model, **scoring)
     if name == "critic":
         from streamrl.critic.service import CriticRole
 
