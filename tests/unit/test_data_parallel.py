@@ -3,7 +3,6 @@ step with the same parameters as one process that saw the whole batch."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from streamrl.models.tiny import build_tiny_model_dir
+from tests.distributed import free_port, gloo_group
 from tests.unit.test_grpo import (
     grads,
     make_learner,
@@ -26,12 +26,6 @@ ROWS = 9
 SPLITS = {0: [(0, 1), (1, 4)], 1: [(4, 9)]}  # rank -> its micro-batches (uneven)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
@@ -39,8 +33,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rank_main(rank: int, path: str, port: int, loss_agg: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         learner = make_learner(Path(path), loss_agg)
         rows = random_rows(ROWS)
         for lo, hi in SPLITS[rank]:
@@ -52,8 +45,6 @@ def rank_main(rank: int, path: str, port: int, loss_agg: str, out_dir: str) -> N
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         learner.step()
         torch.save(params(learner), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "constant"])

@@ -8,7 +8,6 @@ compare what the ranks wrote against single-process references computed here.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from streamrl.trainer.fsdp import (
     shard_model,
 )
 from streamrl.trainer.learner import Learner
+from tests.distributed import free_port
 from tests.unit.test_grpo import PAD_ID, random_rows, skip_zero_advantage
 
 pytestmark = pytest.mark.timeout(180)
@@ -130,14 +130,9 @@ def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
             for a, b in zip(local_tensors(saved.model), local_tensors(restored.model), strict=True)
         )
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # leave together: an early teardown can abort the peer (see tests.distributed)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from streamrl.weights.collective import CollectiveWeightReceiver, CollectiveWeightSender
 from streamrl.weights.layout import Layout, from_safetensors, to_safetensors
 from streamrl.weights.tcp import _FETCH_REPLY, TcpWeightClient, TcpWeightServer
+from tests.distributed import free_port
 
 BUCKET_BYTES = 64
 
@@ -45,12 +46,6 @@ def assert_same(
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor), name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- layout and blobs -------------------------------------------------------------------------
