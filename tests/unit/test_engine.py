@@ -1,5 +1,7 @@
-"""The builtin rollout engine on a tiny Qwen3: log-probs agree with the trainer's, sampling is
-per-request deterministic, greedy is argmax, in-flight weight updates are recorded per token."""
+"""The builtin rollout engine on a tiny Qwen3: its forward pass matches the model's own, log-probs
+agree with the trainer's, sampling draws from the softmax and is a pure function of (seed, request,
+position) whatever the batch, slot or scheduling, greedy is argmax, in-flight weight updates are
+recorded per token, and continuous batching returns every request once, in request order."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
-from streamrl.rollout.builtin_engine import BuiltinEngine
+from streamrl.rollout.builtin_engine import (
+    BuiltinEngine,
+    DecoderRunner,
+    gumbel_noise,
+    onednn_linear_usable,
+    request_key,
+    sample_tokens,
+)
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 PAD_ID = 0
@@ -142,3 +151,137 @@ def test_load_weights_copies_tensors_and_sets_the_version(model_dir: Path) -> No
     engine.load_weights(3, {name: torch.full((32,), 0.5).numpy()})
     assert torch.equal(dict(engine.model.named_parameters())[name], torch.full((32,), 0.5))
     assert (engine.version, engine.num_weight_updates) == (3, 1)
+
+
+def tiny_family_model(family: str):
+    """A randomly initialised two-layer model of each supported family (biases where it has them)."""
+    import transformers
+
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **shape))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+    else:
+        config = transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **shape)
+        model = transformers.LlamaForCausalLM(config)
+    return model.eval()
+
+
+@pytest.mark.parametrize("use_onednn", [True, False], ids=["onednn", "f.linear"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_runner_matches_the_models_own_forward(family: str, use_onednn: bool) -> None:
+    """Prefill into scattered slots (one prompt twice: computed once, its rows copied), pack the
+    rows to the front as the engine does, decode: every step's logits are the model's own."""
+    if use_onednn and not onednn_linear_usable(torch.device("cpu"), torch.float32):
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    model = tiny_family_model(family)
+    runner = DecoderRunner(model, use_onednn=use_onednn)
+    runner.allocate(num_slots=4, max_len=12)
+    sequences = [[5, 9, 3, 7, 1], [4, 2], [5, 9, 3, 7, 1]]
+    fed = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    slots = torch.tensor([3, 0, 2])
+
+    def models_own_logits() -> torch.Tensor:
+        return torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1] for s in sequences])
+
+    with torch.no_grad():
+        logits = runner.prefill(slots, sequences)
+        torch.testing.assert_close(logits, models_own_logits(), atol=1e-5, rtol=1e-5)
+        runner.move_rows(slots, torch.arange(3), num_columns=5)
+        for step in range(3):
+            tokens = [f[step] for f in fed]
+            positions = torch.tensor([len(s) for s in sequences])
+            for sequence, token in zip(sequences, tokens, strict=True):
+                sequence.append(token)
+            logits = runner.decode(torch.tensor(tokens), positions)
+            torch.testing.assert_close(logits, models_own_logits(), atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_architectures_are_refused_with_a_clear_error() -> None:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    with pytest.raises(TypeError, match="model_type 'gpt2'"):
+        BuiltinEngine(transformers.GPT2LMHeadModel(config), eos_token_id=1, pad_token_id=0)
+
+
+def test_noise_of_a_row_depends_only_on_its_key_and_position() -> None:
+    keys = torch.tensor([request_key(0, f"r{i}") for i in range(5)])
+    positions = torch.tensor([3, 9, 9, 0, 40])
+    batch = gumbel_noise(keys, positions, 128)
+    for row in range(5):
+        alone = gumbel_noise(keys[row : row + 1], positions[row : row + 1], 128)
+        assert torch.equal(alone[0], batch[row])
+    assert not torch.equal(batch[1], batch[2])  # another request, same position
+    assert not torch.equal(gumbel_noise(keys[:1], positions[:1] + 1, 128), batch[:1])
+    assert request_key(0, "r0") != request_key(1, "r0")
+
+
+@pytest.mark.parametrize("over", ["requests", "positions"])
+def test_sampling_draws_from_the_temperature_scaled_softmax(over: str) -> None:
+    num = 20_000
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    temperature = 0.5
+    logits = (probs.log() * temperature).expand(num, -1)  # softmax(logits / T) == probs
+    if over == "requests":
+        keys = torch.tensor([request_key(7, f"req-{i}") for i in range(num)])
+        positions = torch.full((num,), 5)
+    else:
+        keys = torch.tensor([request_key(7, "one-request")]).expand(num, -1)
+        positions = torch.arange(num)
+    tokens, logprobs = sample_tokens(logits, temperature, keys, positions)
+    frequencies = torch.bincount(tokens, minlength=5).float() / num
+    assert (frequencies - probs).abs().max() < 0.015  # about 4 standard deviations
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+
+
+def test_scheduling_does_not_change_what_a_request_draws(model_dir: Path, prompts) -> None:
+    """Continuous batching (fewer slots than requests), packing finished rows away and the
+    neighbours of a row leave each request's tokens exactly as when it runs alone."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    ids = [f"{name}{k}" for k in range(3) for name in "abcd"]
+    reqs = [GenerationRequest(rid, prompts[rid[0]]) for rid in ids]
+    free_running = make_engine(model_dir).generate(reqs, params)
+    # An EOS that some responses reach early and others never: rows finish at different steps.
+    counts = torch.bincount(torch.tensor([r.response_ids[1:-1] for r in free_running]).flatten())
+    eos = int(counts.argmax())
+    expected = {}
+    for r in free_running:
+        cut = r.response_ids.index(eos) + 1 if eos in r.response_ids else len(r.response_ids)
+        expected[r.request_id] = r.response_ids[:cut]
+    assert len({len(v) for v in expected.values()}) > 2
+
+    for max_batch_size in (512, 5, 1):
+        engine = make_engine(model_dir, eos_token_id=eos)
+        engine.max_batch_size = max_batch_size
+        streamed: list[GenerationResult] = []
+        results = engine.generate(reqs, params, on_finished=streamed.extend)
+        assert [r.request_id for r in results] == ids
+        assert {r.request_id: r.response_ids for r in results} == expected
+        assert sorted(r.request_id for r in streamed) == sorted(ids)
+        for r in results:
+            assert r.finish_reason == ("stop" if r.response_ids[-1] == eos else "length")
+            assert len(r.logprobs) == len(r.versions) == len(r.response_ids)
+
+
+def test_a_continuation_draws_what_the_uninterrupted_request_would(
+    model_dir: Path, prompts
+) -> None:
+    """Noise is keyed by the token's position in the whole sequence, so resuming a request as
+    prompt + its first k tokens (as an in-flight weight update may) continues it unchanged."""
+    engine = make_engine(model_dir)
+    params = SamplingParams(max_new_tokens=9, temperature=1.0, seed=2)
+    whole = engine.generate(requests(prompts, "b"), params)[0]
+    resumed = GenerationRequest("b", prompts["b"] + whole.response_ids[:4])
+    rest = engine.generate([resumed], SamplingParams(5, temperature=1.0, seed=2))[0]
+    assert rest.response_ids == whole.response_ids[4:]
+    assert rest.logprobs == pytest.approx(whole.logprobs[4:], abs=1e-5)
