@@ -63,9 +63,10 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """Generation engine: `builtin` (transformers, runs wherever torch runs) or `vllm` (install
-    it with `make install-vllm`; see docs/engines.md). SGLang arrives with its own issue."""
+    engine: Literal["builtin", "vllm", "sglang"] = "builtin"
+    """Generation engine: `builtin` (transformers, runs wherever torch runs), `vllm` (install it
+    with `make install-vllm`) or `sglang` (an SGLang server, launched or attached; needs a GPU
+    build of SGLang). See docs/engines.md."""
     batch_prompts: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=2)
@@ -78,10 +79,11 @@ class RolloutConfig(Section):
     """0 = strict on-policy (identical to the synchronous loop); s > 0 lets rollout run s policy
     versions ahead of the trainer."""
     max_batch_size: int = Field(512, ge=1)
-    """Most sequences an engine decodes at once (vLLM's `max_num_seqs`)."""
+    """Most sequences an engine decodes at once (vLLM's `max_num_seqs`; SGLang: requests in
+    flight, and a launched server's `--max-running-requests`)."""
     inflight_weight_updates: bool = True
-    """Load newer weights between decode steps instead of only between batches (vLLM: abort the
-    running requests and resume them as continuations under the new weights)."""
+    """Load newer weights between decode steps instead of only between batches (vLLM, SGLang:
+    abort the running requests and resume them as continuations under the new weights)."""
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """vLLM's weight and compute dtype; auto uses `model.dtype`, the trainer's, which keeps the
     rollout/trainer log-prob mismatch smallest."""
@@ -100,6 +102,28 @@ class RolloutConfig(Section):
     vllm_engine_kwargs: dict[str, object] = Field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size` or
     `gpu_memory_utilization`); they override the settings above."""
+    sglang_url: str | None = None
+    """Base URL of a running SGLang server to attach to (e.g. `http://10.0.0.5:30000`); None
+    launches one for the policy model and stops it at the end."""
+    sglang_launch_cmd: list[str] | None = None
+    """Command that starts an SGLang server; None is `python -m sglang.launch_server` with this
+    interpreter. streamrl appends --model-path, --host, --port, --dtype, --max-running-requests
+    (`max_batch_size`) and, with `sglang_deterministic`, --enable-deterministic-inference."""
+    sglang_launch_args: list[str] = Field(default_factory=list)
+    """Further arguments for a launched server, e.g. `[--tp, "2", --mem-fraction-static, "0.7"]`."""
+    sglang_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`--dtype` of a launched server; auto uses `model.dtype`, the trainer's."""
+    sglang_deterministic: bool = True
+    """Launch with `--enable-deterministic-inference`: without it SGLang ignores the per-request
+    seeds, so samples stop being reproducible."""
+    sglang_startup_timeout_s: float = Field(600.0, gt=0)
+    """How long a launched server may take to answer /health before the run fails."""
+    sglang_request_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one HTTP call to the server (a whole generation or a weight update)."""
+    sglang_weights_dir: str | None = None
+    """Where weight snapshots (safetensors) are written for /update_weights_from_disk; the server
+    must read the same path, so set a shared directory when attaching to another machine. None:
+    `<run_dir>/sglang`."""
 
 
 class RewardConfig(Section):

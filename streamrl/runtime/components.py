@@ -27,6 +27,7 @@ from streamrl.trainer.learner import Learner
 from streamrl.trainer.service import BatchTrainer
 
 if TYPE_CHECKING:
+    from streamrl.rollout.sglang_engine import SglangEngine
     from streamrl.rollout.vllm_engine import VllmEngine
 
 
@@ -108,11 +109,15 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
     )
 
 
-def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine:
+def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine | SglangEngine:
     """The rollout engine `rollout.engine` names. Given `model` (the evaluator shares the
     trainer's model object), always the builtin engine over that model."""
     if model is None and ctx.cfg.rollout.engine == "vllm":
         return make_vllm_engine(ctx)
+    if model is None and ctx.cfg.rollout.engine == "sglang":
+        from streamrl.rollout.sglang_engine import make_sglang_engine
+
+        return make_sglang_engine(ctx)
     tok = load_tokenizer(ctx.policy_dir)
     model = (
         model if model is not None else load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype)

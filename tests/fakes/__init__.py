@@ -1,0 +1,1 @@
+"""Test doubles: small stand-ins for external services, speaking their documented APIs."""

@@ -1,0 +1,395 @@
+"""A test double for an SGLang server: the HTTP endpoints and JSON shapes streamrl's SGLang engine
+uses, answered by streamrl's builtin engine over a local model. It is NOT SGLang; it exists so the
+adapter (`streamrl/rollout/sglang_engine.py`) can be tested on a machine without a GPU.
+
+What it implements, following SGLang's native API (field names as in SGLang's `io_struct.py`):
+
+| endpoint | behaviour here |
+| --- | --- |
+| GET /health, /health_generate | 200 once serving |
+| GET /model_info, /get_model_info | model_path, is_generation, weight_version, model_type |
+| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), sampling_seed, stop_token_ids, ignore_eos; `return_logprob`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...]); 400 past the context length |
+| POST /abort_request | `rid` (prefix match, as SGLang) or `abort_all`; aborted requests answer with their tokens so far |
+| POST /pause_generation | mode `abort` aborts everything running; `in_place`/`retract` only stop stepping; new requests wait until continued |
+| POST /continue_generation | resumes |
+| GET/POST /flush_cache | counted; 400 while requests run (as SGLang) |
+| POST /update_weights_from_disk | loads every *.safetensors in `model_path`; `weight_version`, `flush_cache`, `abort_all_requests`; when not paused, waits for running requests to finish first (SGLang takes a writer lock) |
+
+Generation: a scheduler thread steps every running request by one token per step, with the builtin
+engine sampling that one token for the sequence so far (prompt plus tokens so far) under the
+request id `str(sampling_seed)`. The builtin engine's noise depends on (seed, request id, position)
+only, so a request's tokens do not depend on its neighbours, on the step it was admitted in, or on
+being resumed as a continuation; its log-probs are the builtin engine's (`log_softmax(logits /
+temperature)` in fp32). There is no KV cache: every step recomputes the sequences, which is fine
+for the tiny test models.
+
+Run it in-process (`FakeSglangServer(model_dir).start()`) or as a program that accepts the
+arguments the SGLang engine passes to `sglang.launch_server` (others are ignored):
+`python tests/fakes/sglang_server.py --model-path DIR --port N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from streamrl.api.engine import GenerationRequest, SamplingParams
+from streamrl.models.loading import load_causal_lm
+from streamrl.rollout.builtin_engine import BuiltinEngine
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    stop_ids: set[int]
+    return_logprob: bool
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class FakeSglangServer:
+    """An SGLang-shaped HTTP server over the builtin engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        stop_on_model_eos: bool = True,
+        hold_at_tokens: int | None = None,
+    ):
+        self.model_dir = str(model_dir)
+        model = load_causal_lm(model_dir)
+        self.max_context = int(model.config.max_position_embeddings)
+        eos = model.config.eos_token_id
+        self.model_eos = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+        self.stop_on_model_eos = stop_on_model_eos
+        # One token per call, so the builtin engine's own EOS handling never matters.
+        self.engine = BuiltinEngine(model, eos_token_id=-1, pad_token_id=0)
+        self.hold_at_tokens = hold_at_tokens
+        """Test knob, not SGLang: requests stop after this many tokens until the next weight
+        update, so a test can update weights mid-generation at a known point."""
+        self.weight_version = "default"
+        self.stats = dict(
+            generate=0, aborted=0, pauses=0, continues=0, weight_updates=0, cache_flushes=0
+        )
+        self._active: dict[str, _Request] = {}
+        self._paused = False
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._model_lock = threading.Lock()  # held by a step and by a weight update
+        self.httpd = _HttpServer((host, port), _handler_for(self))
+        self._threads = [
+            threading.Thread(target=self.httpd.serve_forever, daemon=True),
+            threading.Thread(target=self._schedule, daemon=True),
+        ]
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeSglangServer:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def progress(self) -> list[int]:
+        """Tokens generated so far by each running request."""
+        with self._cond:
+            return [len(r.output_ids) for r in self._active.values()]
+
+    # -- scheduler -----------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._runnable())
+                if self._stopped:
+                    return
+                batch = self._runnable()
+            with self._model_lock:
+                sampled = self._sample(batch)
+            with self._cond:
+                for req, (token, logprob) in zip(batch, sampled, strict=True):
+                    if req.finish_reason is not None:  # aborted while this step ran
+                        continue
+                    req.output_ids.append(token)
+                    req.logprobs.append(logprob)
+                    if token in req.stop_ids:
+                        self._finish(req, {"type": "stop", "matched": token})
+                    elif len(req.output_ids) >= req.max_new_tokens:
+                        self._finish(req, {"type": "length", "length": len(req.output_ids)})
+
+    def _runnable(self) -> list[_Request]:
+        """Requests the next step extends. Call with `_cond` held."""
+        if self._paused:
+            return []
+        hold = self.hold_at_tokens
+        return [r for r in self._active.values() if hold is None or len(r.output_ids) < hold]
+
+    def _sample(self, batch: list[_Request]) -> list[tuple[int, float]]:
+        """One token for every request of `batch`, with the builtin engine."""
+        out: dict[str, tuple[int, float]] = {}
+        for temperature in {r.temperature for r in batch}:
+            group = [r for r in batch if r.temperature == temperature]
+            results = self.engine.generate(
+                [GenerationRequest(str(r.seed), r.input_ids + r.output_ids) for r in group],
+                SamplingParams(max_new_tokens=1, temperature=temperature, seed=0),
+            )
+            for req, result in zip(group, results, strict=True):
+                out[req.rid] = (result.response_ids[0], result.logprobs[0])
+        return [out[r.rid] for r in batch]
+
+    def _finish(self, req: _Request, reason: dict[str, Any]) -> None:
+        """Call with `_cond` held."""
+        req.finish_reason = reason
+        req.weight_version = self.weight_version
+        del self._active[req.rid]
+        req.done.set()
+        self._cond.notify_all()
+
+    def _abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Call with `_cond` held."""
+        for req in list(self._active.values()):
+            if abort_all or (rid and req.rid.startswith(rid)):
+                self.stats["aborted"] += 1
+                self._finish(req, {"type": "abort", "message": "Abort requested"})
+
+    # -- endpoints -----------------------------------------------------------------------------
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        input_ids = body.get("input_ids")
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+            raise HttpError(400, "the fake SGLang server takes one prompt as a list of input_ids")
+        if not input_ids:
+            raise HttpError(400, "input_ids is empty")
+        sp = body.get("sampling_params") or {}
+        max_new_tokens = int(sp.get("max_new_tokens", 128))
+        if len(input_ids) + max_new_tokens > self.max_context:
+            raise HttpError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.max_context} tokens. You requested a total of "
+                f"{len(input_ids) + max_new_tokens} tokens: {len(input_ids)} tokens from the "
+                f"input messages and {max_new_tokens} tokens for the completion.",
+            )
+        if body.get("stream"):
+            raise HttpError(400, "the fake SGLang server does not stream")
+        seed = sp.get("sampling_seed")
+        stop_ids = set(sp.get("stop_token_ids") or [])
+        if not sp.get("ignore_eos") and self.stop_on_model_eos:
+            stop_ids |= self.model_eos
+        req = _Request(
+            rid=str(body.get("rid") or f"fake-{random.getrandbits(64):016x}"),
+            input_ids=input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=float(sp.get("temperature", 1.0)),
+            seed=int(seed) if seed is not None else random.getrandbits(63),
+            stop_ids=stop_ids if not sp.get("ignore_eos") else set(),
+            return_logprob=bool(body.get("return_logprob")),
+        )
+        with self._cond:
+            self._cond.wait_for(lambda: not self._paused or self._stopped)
+            if self._stopped:
+                raise HttpError(503, "server is shutting down")
+            self.stats["generate"] += 1
+            self._active[req.rid] = req
+            self._cond.notify_all()
+        req.done.wait()
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "weight_version": req.weight_version,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+        return {"output_ids": req.output_ids, "meta_info": meta}
+
+    def abort_request(self, body: dict[str, Any]) -> None:
+        with self._cond:
+            self._abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
+
+    def pause_generation(self, body: dict[str, Any]) -> dict[str, Any]:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise HttpError(400, f"unknown pause mode {mode!r}")
+        with self._model_lock, self._cond:  # between two steps
+            self.stats["pauses"] += 1
+            self._paused = True
+            if mode == "abort":
+                self._abort(abort_all=True)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._cond:
+            self.stats["continues"] += 1
+            self._paused = False
+            self._cond.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def flush_cache(self, body: dict[str, Any]) -> str:
+        with self._cond:
+            if self._active and not self._paused:
+                raise HttpError(400, "Flush cache failed: there are running requests.\n")
+            self.stats["cache_flushes"] += 1
+        return "Cache flushed.\n"
+
+    def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(str(body.get("model_path", ""))).glob("*.safetensors"))
+        if not files:
+            raise HttpError(400, f"no *.safetensors files in model_path {body.get('model_path')!r}")
+        tensors: dict[str, Any] = {}
+        for file in files:
+            tensors.update(load_file(str(file)))
+        known = {name for name, _ in self.engine.model.named_parameters()}
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            return {"success": False, "message": f"unknown weights {unknown[:5]}"}
+        with self._cond:
+            if body.get("abort_all_requests"):
+                self._abort(abort_all=True)
+            self._cond.wait_for(lambda: self._paused or not self._active)
+        with self._model_lock, self._cond:
+            self.engine.load_weights(self.engine.version + 1, tensors)
+            self.stats["weight_updates"] += 1
+            self.hold_at_tokens = None
+            self._cond.notify_all()
+            if body.get("flush_cache", True):
+                self.stats["cache_flushes"] += 1
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def model_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        config = self.engine.model.config
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "model_type": config.model_type,
+            "architectures": config.architectures,
+        }
+
+    def health(self, body: dict[str, Any]) -> None:
+        return None
+
+
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # The default listen backlog (5) resets connections when a rollout batch sends hundreds of
+    # requests at once; SGLang's server (uvicorn) accepts 2048.
+    request_queue_size = 2048
+
+
+ROUTES = {
+    ("GET", "/health"): "health",
+    ("GET", "/health_generate"): "health",
+    ("GET", "/model_info"): "model_info",
+    ("GET", "/get_model_info"): "model_info",
+    ("POST", "/generate"): "generate",
+    ("POST", "/abort_request"): "abort_request",
+    ("POST", "/pause_generation"): "pause_generation",
+    ("POST", "/continue_generation"): "continue_generation",
+    ("GET", "/flush_cache"): "flush_cache",
+    ("POST", "/flush_cache"): "flush_cache",
+    ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
+}
+
+
+def _handler_for(server: FakeSglangServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self._dispatch("GET")
+
+        def do_POST(self) -> None:
+            self._dispatch("POST")
+
+        def _dispatch(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            name = ROUTES.get((method, path))
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                if name is None:
+                    raise HttpError(404, f"the fake SGLang server has no {method} {path}")
+                body = json.loads(raw) if raw else {}
+                result = getattr(server, name)(body)
+            except HttpError as e:
+                self._send(e.status, {"error": {"message": str(e)}})
+                return
+            except ValueError as e:
+                self._send(400, {"error": {"message": f"bad request: {e}"}})
+                return
+            status = 400 if isinstance(result, dict) and result.get("success") is False else 200
+            self._send(status, result)
+
+        def _send(self, status: int, result: Any) -> None:
+            if result is None:
+                data, kind = b"", "text/plain"
+            elif isinstance(result, str):
+                data, kind = result.encode(), "text/plain"
+            else:
+                data, kind = json.dumps(result).encode(), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # quiet: tests read the counters instead
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Fake SGLang server for tests (not SGLang).")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    args, ignored = parser.parse_known_args(argv)
+    server = FakeSglangServer(args.model_path, host=args.host, port=args.port).start()
+    print(f"fake SGLang server on {server.url}; ignored arguments: {ignored}", flush=True)
+    threading.Event().wait()  # until killed
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
