@@ -64,9 +64,9 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["builtin", "vllm", "sglang"] = "builtin"
-    """Generation engine: `builtin` (transformers, runs wherever torch runs), `vllm` (install it
-    with `make install-vllm`) or `sglang` (an SGLang server, launched or attached; needs a GPU
-    build of SGLang). See docs/engines.md."""
+    """Generation engine: `builtin` (PyTorch only, runs wherever torch runs; Llama-family
+    decoders: Qwen3, Qwen2, Llama), `vllm` (install it with `make install-vllm`) or `sglang` (an
+    SGLang server, launched or attached; needs a GPU build of SGLang). See docs/engines.md."""
     batch_prompts: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=2)
