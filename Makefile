@@ -40,7 +40,18 @@ test: $(VLLM_STAMP)
 ## Only the vLLM engine's tests (unit and integration; part of `make test`).
 test-vllm: $(VLLM_STAMP)
 	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider \
-		tests/unit/test_vllm_engine.py tests/integration/test_vllm_engine.py
+		tests/unit/test_vllm_engine.py tests/unit/test_balancer.py \
+		tests/integration/test_vllm_engine.py
+
+## The GPU check (docs/engines.md): the demo task with vLLM on a GPU, throughput and log-prob
+## mismatch; fails without a GPU. It makes its own environment (.cache/venv-gpu) when .venv has
+## no vLLM that sees a GPU. `make gpu-check-dry-run` runs the same on the CPU, in .venv.
+.PHONY: gpu-check gpu-check-dry-run
+gpu-check:
+	bash scripts/gpu_check.sh
+
+gpu-check-dry-run: $(VLLM_STAMP)
+	bash scripts/gpu_check.sh --cpu-dry-run
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not integration" tests
@@ -55,6 +66,11 @@ bench: $(STAMP)
 ## Generation throughput through streamrl's vLLM adapter vs raw vLLM (docs/benchmarks.md).
 bench-vllm: $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_overhead.py
+
+## Rollout throughput with one vs two vLLM engines behind one rollout service (docs/engines.md).
+.PHONY: bench-vllm-engines
+bench-vllm-engines: $(VLLM_STAMP)
+	$(BIN)/python benchmarks/vllm_engines.py
 
 clean:
 	rm -rf $(VENV) runs .cache
@@ -82,3 +98,22 @@ bench-trl: $(STAMP)
 
 bench-overlap: $(STAMP)
 	$(BIN)/python benchmarks/overlap.py
+
+## streamrl vs ms-swift's GRPO on the same work (docs/benchmarks.md). ms-swift 4.6 pins trl<1.0,
+## which cannot share .venv with the test extras' TRL 1.13, so it gets a virtual environment of
+## its own: the CPU torch, ms-swift with the trl and transformers it resolves to (pinned here),
+## and msgspec, which ms-swift imports without declaring it.
+SWIFT_VENV := .venv-swift
+SWIFT_STAMP := $(SWIFT_VENV)/.installed
+$(SWIFT_STAMP):
+	$(PY) -m venv $(SWIFT_VENV)
+	$(SWIFT_VENV)/bin/pip install --quiet --upgrade pip
+	$(SWIFT_VENV)/bin/pip install --quiet torch==2.13.0
+	$(SWIFT_VENV)/bin/pip install --quiet ms-swift==4.6.0 trl==0.29.1 transformers==5.19.0 msgspec==0.23.0
+	touch $(SWIFT_STAMP)
+
+.PHONY: install-swift bench-swift
+install-swift: $(SWIFT_STAMP)
+
+bench-swift: $(STAMP) $(SWIFT_STAMP)
+	$(BIN)/python benchmarks/vs_swift.py --swift-python $(SWIFT_VENV)/bin/python

@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from demo_workload import demo_model_and_feeder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -50,23 +50,14 @@ def main() -> None:
     from streamrl.api.engine import SamplingParams
     from streamrl.bus.local import LocalBus
     from streamrl.config.schema import Config
-    from streamrl.data.dataset import builtin_rows
-    from streamrl.data.feeder import PromptFeeder
-    from streamrl.models.loading import load_tokenizer
-    from streamrl.models.tiny import build_tiny_model_dir
     from streamrl.rollout.service import RolloutRole, to_requests
     from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
     from streamrl.weights.dcs import InProcessWeights
 
     cfg = Config().model
-    model_dir = build_tiny_model_dir(
-        Path(tempfile.mkdtemp(prefix="vllm-overhead-")),
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        seed=0,
+    model_dir, tokenizer, feeder = demo_model_and_feeder(
+        "vllm-overhead-", prompts=args.prompts, group_size=args.group_size
     )
-    tokenizer = load_tokenizer(model_dir)
     num_rows = args.prompts * args.group_size
     engine = VllmEngine(
         model_dir,
@@ -74,13 +65,6 @@ def main() -> None:
         settings=VllmSettings(dtype=cfg.dtype, kv_cache_gib=0.5, max_num_seqs=num_rows),
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    feeder = PromptFeeder(
-        builtin_rows(1_000, digits=2, seed=0, split="train"),
-        tokenizer,
-        batch_prompts=args.prompts,
-        group_size=args.group_size,
-        seed=0,
-    )
     weights = InProcessWeights()
     weights.publish(0, {})  # version 0, which the engine already holds: nothing to load
 
@@ -108,7 +92,7 @@ def main() -> None:
             for r in requests
         ]
         with Clock() as clock:
-            outputs = engine.llm.generate(prompts, sampling, use_tqdm=False)
+            outputs = engine.replicas[0].llm.generate(prompts, sampling, use_tqdm=False)
         return clock, [list(o.outputs[0].token_ids) for o in outputs]
 
     def run_adapter(index: int) -> tuple[Clock, list[list[int]]]:
@@ -166,7 +150,7 @@ def main() -> None:
         # run from an empty prefix cache, so no path reuses the prompts' attention of another.
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            engine.llm.reset_prefix_cache()
+            engine.replicas[0].llm.reset_prefix_cache()
             clock, tokens = paths[name](round_index)
             if reference is None:
                 reference = tokens

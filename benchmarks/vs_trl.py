@@ -344,6 +344,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=("tiny", "large"), default=["tiny", "large"])
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    add_workload_args(p)
+    p.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and timing options every side-by-side benchmark shares (`workloads`)."""
     p.add_argument("--rounds", type=int, default=1, help="runs per system, in rotating order")
     p.add_argument("--warmup-steps", type=int, default=3, help="first steps of a run left out")
     p.add_argument("--group-size", type=int, default=8)
@@ -370,8 +377,6 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="keep OpenMP's default spin-waiting instead of OMP_WAIT_POLICY=PASSIVE (see above)",
     )
-    p.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    return p.parse_args()
 
 
 def workloads(a: argparse.Namespace) -> list[Workload]:

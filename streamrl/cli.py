@@ -1,6 +1,9 @@
 """The `streamrl` command line.
 
     streamrl train [CONFIG.yaml ...] [key=value ...] [--resume RUN_DIR]
+    streamrl status RUN_DIR
+    streamrl logs RUN_DIR [ROLE] [-n N]
+    streamrl scale RUN_DIR ROLE=N
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -34,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         "status", help="where every role of a Ray-mode run runs, its health and its restarts"
     )
     status.add_argument("run_dir", metavar="RUN_DIR")
+    logs = sub.add_parser(
+        "logs", help="the last lines of each role's log (RUN_DIR/logs/<role>.log), or of one role"
+    )
+    logs.add_argument("run_dir", metavar="RUN_DIR")
+    logs.add_argument(
+        "role", nargs="?", help="rollout, rollout#1, trainer, controller, ... (default: all)"
+    )
+    logs.add_argument("-n", type=int, default=20, metavar="N", help="lines per file (default 20)")
     scale = sub.add_parser("scale", help="change the replicas of a role of a running job")
     scale.add_argument("run_dir", metavar="RUN_DIR")
     scale.add_argument("request", metavar="ROLE=N", help="for example rollout=3")
@@ -84,12 +95,35 @@ def format_status(run_dir: Path) -> str:
     state = "running" if status.get("running", True) else "finished (roles stopped)"
     lines = [
         f"{run_dir}: {state}, updated {age:.0f}s ago",
-        f"{'role':10} {'node':15} {'pid':>7} {'health':8} restarts",
+        f"{'role':10} {'node':15} {'pid':>7} {'health':8} {'restarts':8} log",
     ]
     for name, info in status["roles"].items():
         health = "ok" if info["healthy"] else "down"
-        lines.append(f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} {info['restarts']}")
+        lines.append(
+            f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} {info['restarts']:<8} "
+            f"{info.get('log', '')}"
+        )
+    lines.append(
+        f"logs of every role and the controller: {run_dir}/logs (`streamrl logs {run_dir} ROLE`); "
+        f"failures and restarts: {run_dir}/events.jsonl"
+    )
     return "\n".join(lines)
+
+
+def format_logs(run_dir: Path, role: str | None, num_lines: int) -> str:
+    """The tail of one role's log file, or of every log file of the run."""
+    from streamrl.runtime.logs import list_logs, log_path, tail
+
+    if role is not None:
+        path = log_path(run_dir, role.replace("-", "#"))
+        if not path.is_file():
+            known = ", ".join(p.stem for p in list_logs(run_dir)) or "none"
+            raise FileNotFoundError(f"no log for {role!r} in {run_dir}/logs; logs: {known}")
+        return "\n".join(tail(path, num_lines))
+    paths = list_logs(run_dir)
+    if not paths:
+        raise FileNotFoundError(f"{run_dir}/logs has no log files: is it a streamrl run directory?")
+    return "\n\n".join("\n".join([f"==> {p} <==", *tail(p, num_lines)]) for p in paths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "status":
             print(format_status(Path(args.run_dir)))
+            return 0
+        if args.command == "logs":
+            print(format_logs(Path(args.run_dir), args.role, args.n))
             return 0
         resume = Path(args.resume) if args.resume else None
         overrides = list(args.args)

@@ -7,6 +7,10 @@ exactly that batch's rows (rows of other batches that shared a lease become clai
 are claimed anew). The only bound used is the trainer's version v: admission control keeps
 every live batch at or below v + max_staleness. Nothing else is remembered, so a role restarted
 after a crash picks up wherever the pipeline is, with no saved state.
+
+Under dynamic sampling a training step may add refill rounds to its batch (same batch index,
+group ids `b<k>-r<round>-p<j>`); each round is collected and returned on its own, keyed
+`(batch_index, round)`, since it has as many groups as the feeder's batch.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from streamrl.data.feeder import group_round
+
+BatchKey = tuple[int, int]
+"""(batch index, refill round)."""
 
 
 class BatchCollector:
@@ -38,13 +47,13 @@ class BatchCollector:
         self.max_rows = max_rows
         self.lease_s = lease_s
         self.claimed = False
-        # batch -> rows held; lease id -> (batch -> sample ids of that lease)
-        self._rows: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-        self._leases: dict[str, dict[int, list[str]]] = {}
+        # batch key -> rows held; lease id -> (batch key -> sample ids of that lease)
+        self._rows: dict[BatchKey, list[Mapping[str, Any]]] = defaultdict(list)
+        self._leases: dict[str, dict[BatchKey, list[str]]] = {}
 
-    def poll(self, wait_s: float = 0.0) -> tuple[int, list[Mapping[str, Any]]] | None:
-        """Claim what is ready; return (batch index, rows) of the oldest complete batch, or None.
-        `claimed` tells whether this call took any rows."""
+    def poll(self, wait_s: float = 0.0) -> tuple[BatchKey, list[Mapping[str, Any]]] | None:
+        """Claim what is ready; return ((batch index, round), rows) of the oldest complete batch,
+        or None. `claimed` tells whether this call took any rows."""
         top = max(self.weights.latest_version(), 0) + self.max_staleness
         lease = self.bus.claim(
             self.consumer,
@@ -57,17 +66,18 @@ class BatchCollector:
         )
         self.claimed = lease is not None
         if lease is not None:
-            by_batch: dict[int, list[str]] = defaultdict(list)
+            by_batch: dict[BatchKey, list[str]] = defaultdict(list)
             for row in lease.rows:
-                self._rows[row["batch_index"]].append(row)
-                by_batch[row["batch_index"]].append(row["sample_id"])
+                key = (row["batch_index"], group_round(row["group_id"]))
+                self._rows[key].append(row)
+                by_batch[key].append(row["sample_id"])
             self._leases[lease.lease_id] = dict(by_batch)
         for b in sorted(self._rows):
             if len({r["group_id"] for r in self._rows[b]}) >= self.groups_per_batch:
                 return b, list(self._rows[b])
         return None
 
-    def ack_batch(self, b: int) -> None:
+    def ack_batch(self, b: BatchKey) -> None:
         """Ack batch `b`'s rows; rows of other batches in the same leases go back to the bus."""
         for lease_id, by_batch in list(self._leases.items()):
             if b not in by_batch:

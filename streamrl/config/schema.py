@@ -78,6 +78,8 @@ class RolloutConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """0 = strict on-policy (identical to the synchronous loop); s > 0 lets rollout run s policy
     versions ahead of the trainer."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the builtin engine runs: `auto` is a GPU when torch sees one, else the CPU."""
     max_batch_size: int = Field(512, ge=1)
     """Most sequences an engine decodes at once (vLLM's `max_num_seqs`; SGLang: requests in
     flight, and a launched server's `--max-running-requests`)."""
@@ -99,6 +101,12 @@ class RolloutConfig(Section):
     vllm_in_process: bool = True
     """Run vLLM's engine core inside the rollout process: starts in seconds and passes weights by
     reference. False gives it its own process (weights then travel as a safetensors blob)."""
+    vllm_engines: int = Field(1, ge=1)
+    """vLLM engines behind each rollout service: each group of requests goes to the least-loaded
+    one, every weight update to all of them. They decode in parallel only with
+    `vllm_in_process=false` (an engine-core process each; on GPUs a slice of the visible devices
+    each); in-process engines take turns in one thread. `max_batch_size` and `vllm_kv_cache_gib`
+    are per engine."""
     vllm_engine_kwargs: dict[str, object] = Field(default_factory=dict)
     """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size` or
     `gpu_memory_utilization`); they override the settings above."""
@@ -214,12 +222,22 @@ class AlgorithmConfig(Section):
     """DAPO soft overlong penalty: ramp from 0 to -1 over the last this many tokens before
     rollout.max_new_tokens (None: off)."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal (not trained, not in the
-    normaliser); the feeder oversamples prompts by `dynamic_sampling_oversample` to refill."""
+    """DAPO dynamic sampling: a group whose rewards are all equal has no signal and is dropped
+    (not trained, not in the normaliser), and generation continues until the step holds exactly
+    `rollout.batch_prompts` groups with signal: the trainer adds refill batches of prompts, up to
+    `dynamic_sampling_max_batches` per step. Informative groups beyond that number are not
+    trained (surplus). Metrics: `dynamic_sampling/*`."""
     dynamic_sampling_oversample: float = Field(1.5, ge=1)
-    """With dynamic sampling: prompts drawn per batch = ceil(this x rollout.batch_prompts)."""
+    """With dynamic sampling: prompts per generation batch (the feeder's and each refill) =
+    ceil(this x rollout.batch_prompts). Above 1 a step needs fewer refill rounds (less waiting)
+    at the cost of more surplus groups generated and not trained."""
+    dynamic_sampling_max_batches: int = Field(4, ge=1)
+    """With dynamic sampling: most generation batches per training step, the feeder's included;
+    when they hold fewer groups with signal than `rollout.batch_prompts`, the step trains those
+    and logs a warning (`dynamic_sampling/cap_hit`). 1: no refill."""
     reward_norm: bool = False
-    """Normalise rewards online by an exponential moving mean and std before the advantage."""
+    """Normalise rewards online by an exponential moving mean and std before the advantage. Its
+    statistics are saved in the run directory (`reward_norm.json`) and restored on resume."""
     reward_norm_momentum: float = Field(0.9, ge=0, lt=1)
     """Momentum of the online reward statistics."""
     reward_clip: float | None = Field(None, gt=0)
@@ -263,6 +281,23 @@ class TrainerConfig(Section):
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     threads: int = Field(1, ge=1)
     """torch threads of the trainer process in async mode."""
+    world_size: int = Field(1, ge=1)
+    """Data-parallel ranks of the trainer on its node. 1 trains in the trainer's process; N > 1
+    shards the model with FSDP2 over N processes (gloo on CPU, NCCL on GPUs; on GPUs give the
+    trainer role N GPUs: `runtime.roles.trainer.num_gpus`). See docs/architecture.md."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's model lives (and the reference and pi_old models): `auto` is a GPU
+    when torch sees one (in a Ray actor: when its placement gives it a GPU), else the CPU."""
+    mixed_precision: bool = False
+    """FSDP2 ranks compute in bf16 (gradients reduced and weights kept in fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, more compute)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """FSDP2 ranks: token budget of one micro-batch (rows x padded length); None splits each
+    claimed micro-batch into about one part per rank."""
+    padding_free: bool = False
+    """Compute log-probs on the rows laid end to end (no compute on padding); needs a model whose
+    attention follows position-id restarts (standard transformers decoders do)."""
 
 
 class RolePlacement(Section):
@@ -310,6 +345,16 @@ class RolesConfig(Section):
         return self
 
 
+class PlacementGroupConfig(Section):
+    strategy: Literal["none", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "none"
+    """Ray mode: reserve one bundle per role replica (its num_cpus, num_gpus and resources; at
+    least 0.01 CPU) in one Ray placement group with this strategy, and start each replica in its
+    bundle (a restarted one goes back into it). none: no group, each actor scheduled on its own.
+    Excludes `runtime.roles.<role>.node`; steer bundles with custom resources instead."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Ray mode: how long to wait for the cluster to reserve the group before the run fails."""
+
+
 class RuntimeConfig(Section):
     mode: Literal["ray", "inline", "sync"] = "ray"
     """ray: every role its own process on Ray; inline: every role an asyncio task in one process
@@ -318,18 +363,25 @@ class RuntimeConfig(Section):
     """Address of an existing Ray cluster; None starts a local instance."""
     roles: RolesConfig = RolesConfig()
     """Ray mode: resources, replicas and node of each role."""
+    placement_group: PlacementGroupConfig = PlacementGroupConfig()
+    """Ray mode: reserve the roles' resources together in a Ray placement group."""
     bus_shards: int = Field(1, ge=1)
     """Ray mode: actors the bus's row metadata is spread over (groups hashed to shards). One is
     fastest on a single machine; more only help when one bus actor's core is the bottleneck."""
-    weight_channel: Literal["object_store", "tcp"] = "object_store"
+    weight_channel: Literal["object_store", "tcp", "collective"] = "object_store"
     """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
-    with a fast object store), or a TCP weight server in the trainer process that streams
-    safetensors buckets to each engine (any network; authenticated with weight_token)."""
+    with a fast object store); a TCP weight server in the trainer process that streams
+    safetensors buckets to each engine (any network; authenticated with weight_token); or a
+    torch.distributed broadcast (gloo) from the trainer to the engines, with a host copy in the
+    object store for engines that (re)join (trusted networks: the group is not authenticated)."""
     weight_bind: str = "127.0.0.1"
-    """tcp channel: address the trainer's weight server listens on; anything but loopback
-    needs weight_token (or $STREAMRL_WEIGHT_TOKEN)."""
+    """tcp: address the trainer's weight server listens on; anything but loopback needs
+    weight_token (or $STREAMRL_WEIGHT_TOKEN). collective: the rendezvous address engines
+    connect to: loopback (only engines on the trainer's node join the group; the others use the
+    host copy), an address of the trainer's node, or 0.0.0.0 for its Ray node address."""
     weight_port: int = Field(0, ge=0, le=65535)
-    """tcp channel: port of the weight server (0: any free port)."""
+    """tcp: port of the weight server (0: any free port). collective: first of 16 rendezvous
+    ports taken in turn by successive groups (0: a free port for each)."""
     weight_token: str | None = None
     """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
     num_cpus: int | None = None
@@ -346,6 +398,11 @@ class RuntimeConfig(Section):
     max_restarts: int = Field(3, ge=0)
     """Ray mode: restarts allowed per role before the run fails (the trainer resumes from its
     latest checkpoint; the others restart in place)."""
+    trainer_recovery: Literal["in_place", "restart_all"] = "in_place"
+    """Ray mode: a lost trainer resumes from its latest checkpoint alone while the other roles
+    keep running (in_place; the bus then keeps the rows trained since the last checkpoint, up
+    to `trainer.checkpoint_every` batches more), or every role restarts with it (restart_all;
+    also what in_place falls back to with trainer.checkpoint_every=0)."""
     restart_backoff_s: float = Field(1.0, ge=0)
     """Ray mode: wait before a role's n-th restart is this times 2^(n-1)."""
     health_interval_s: float = Field(5.0, gt=0)
@@ -355,6 +412,21 @@ class RuntimeConfig(Section):
     claim_wait_s: float = Field(0.05, ge=0)
     """Ray mode: an empty claim waits up to this long inside the bus for matching rows (long
     poll), instead of polling across processes."""
+
+    @model_validator(mode="after")
+    def _placement_group_or_node(self) -> RuntimeConfig:
+        if self.placement_group.strategy == "none":
+            return self
+        for name in type(self.roles).model_fields:
+            node = getattr(self.roles, name).node
+            if node is not None:
+                raise ValueError(
+                    f"runtime.roles.{name}.node={node!r} and runtime.placement_group.strategy="
+                    f"{self.placement_group.strategy} exclude each other: the placement group "
+                    "chooses the nodes. Drop one, or steer the bundle with a custom resource "
+                    "(runtime.roles.<role>.resources)"
+                )
+        return self
 
 
 class RunConfig(Section):

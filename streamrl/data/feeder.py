@@ -4,6 +4,11 @@ Batch b holds prompts b*B .. b*B+B-1 of an endless, per-epoch shuffled order, so
 batch depend only on (seed, b). Sample ids are `b<batch>-p<prompt>-s<sample>`; after a resume the
 feeder recreates in-flight batches with the same ids, which is how no sample is trained twice
 or skipped.
+
+Dynamic sampling may add refill rounds to a batch (`batch(b, round_index=r)`, r >= 1, group ids
+`b<batch>-r<round>-p<prompt>`). Their prompts come from a second, independently shuffled order,
+at a position that depends only on (b, r), so a refill round too is a function of (seed, b, r)
+whatever the timing, and round 0 is the same batch with or without refills.
 """
 
 from __future__ import annotations
@@ -19,6 +24,19 @@ from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
 
 
+def group_id(batch_index: int, prompt: int, round_index: int = 0) -> str:
+    """Group id of prompt `prompt` of round `round_index` of batch `batch_index`."""
+    if round_index == 0:
+        return f"b{batch_index}-p{prompt}"
+    return f"b{batch_index}-r{round_index}-p{prompt}"
+
+
+def group_round(group_id: str) -> int:
+    """The refill round a group id belongs to (0 for the feeder's own batch)."""
+    parts = group_id.split("-")
+    return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
+
+
 class PromptFeeder:
     def __init__(
         self,
@@ -28,6 +46,7 @@ class PromptFeeder:
         batch_prompts: int,
         group_size: int,
         seed: int,
+        max_rounds: int = 1,
     ):
         if not rows:
             raise ValueError("the training dataset is empty")
@@ -37,32 +56,51 @@ class PromptFeeder:
         self.batch_prompts = batch_prompts
         self.group_size = group_size
         self.seed = seed
-        self._orders: dict[int, list[int]] = {}
+        self.max_rounds = max_rounds
+        self._orders: dict[tuple[str, int], list[int]] = {}
 
-    def _prompt_index(self, position: int) -> int:
+    def _prompt_index(self, position: int, stream: str = "epoch") -> int:
+        """Dataset index at `position` of an endless order reshuffled every epoch. `stream` names
+        the order: "epoch" for the feeder's batches, "refill" for dynamic sampling's refills."""
         epoch, offset = divmod(position, len(self.rows))
-        if epoch not in self._orders:
+        key = (stream, epoch)
+        if key not in self._orders:
             order = list(range(len(self.rows)))
-            random.Random(f"{self.seed}-epoch-{epoch}").shuffle(order)
-            self._orders = {epoch: order}
-        return self._orders[epoch][offset]
+            random.Random(f"{self.seed}-{stream}-{epoch}").shuffle(order)
+            if len(self._orders) >= 4:  # two streams, each around one epoch boundary
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = order
+        return self._orders[key][offset]
 
-    def batch(self, batch_index: int) -> list[dict[str, Any]]:
-        """Bus rows (see `Bus.add_rows`) for every sample of batch `batch_index`."""
+    def group_ids(self, batch_index: int, round_index: int = 0) -> list[str]:
+        """Group ids of round `round_index` of batch `batch_index`, in prompt order."""
+        return [group_id(batch_index, j, round_index) for j in range(self.batch_prompts)]
+
+    def batch(self, batch_index: int, round_index: int = 0) -> list[dict[str, Any]]:
+        """Bus rows (see `Bus.add_rows`) for every sample of batch `batch_index` (round 0) or of
+        its refill round `round_index` (1 .. max_rounds - 1)."""
+        if not 0 <= round_index < self.max_rounds:
+            raise ValueError(
+                f"round {round_index} is outside 0 .. {self.max_rounds - 1} (max_rounds)"
+            )
         out = []
         for j in range(self.batch_prompts):
-            idx = self._prompt_index(batch_index * self.batch_prompts + j)
+            if round_index == 0:
+                idx = self._prompt_index(batch_index * self.batch_prompts + j)
+            else:
+                slot = batch_index * (self.max_rounds - 1) + round_index - 1
+                idx = self._prompt_index(slot * self.batch_prompts + j, stream="refill")
             row = self.rows[idx]
             if idx not in self._prompt_ids:
                 self._prompt_ids[idx] = np.asarray(
                     encode_prompt(self.tokenizer, row.prompt), dtype=np.int64
                 )
-            group_id = f"b{batch_index}-p{j}"
+            gid = group_id(batch_index, j, round_index)
             for k in range(self.group_size):
                 out.append(
                     {
-                        "sample_id": f"{group_id}-s{k}",
-                        "group_id": group_id,
+                        "sample_id": f"{gid}-s{k}",
+                        "group_id": gid,
                         "group_size": self.group_size,
                         "batch_index": batch_index,
                         "fields": {

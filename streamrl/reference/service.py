@@ -25,7 +25,8 @@ def reference_fields(
     model, rows: Sequence[Mapping[str, Any]], *, pad_token_id: int, temperature: float
 ) -> dict[str, dict[str, Any]]:
     batch = pack([r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows], pad_token_id)
-    logp_br = response_logprobs(model, batch, temperature)
+    logp_br = response_logprobs(model, batch.to(next(model.parameters()).device), temperature)
+    logp_br = logp_br.cpu()
     return {
         r["sample_id"]: {
             F.REF_LOGPROBS: logp_br[i, : len(r[F.RESPONSE_IDS])].numpy().astype(np.float32)

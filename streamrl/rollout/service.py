@@ -118,10 +118,15 @@ class RolloutRole:
         self.busy_s += time.perf_counter() - start
         return True
 
-    def stats(self) -> dict[str, float]:
-        return {
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {
             "busy_s": self.busy_s,
             "tokens": self.num_tokens,
             "samples": self.num_samples,
             "version": self.engine.version,
         }
+        # An engine that balances over several engines says how it spread the requests.
+        per_engine = getattr(self.engine, "requests_per_engine", None)
+        if per_engine is not None:
+            stats["requests_per_engine"] = per_engine
+        return stats

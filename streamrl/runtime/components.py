@@ -23,7 +23,9 @@ from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import AdvantageSettings
 from streamrl.trainer.algos.objective import LossSettings
 from streamrl.trainer.evaluate import greedy_accuracy
+from streamrl.trainer.fsdp import FSDPSettings
 from streamrl.trainer.learner import Learner
+from streamrl.trainer.ranks import RankedLearner, RankSpec
 from streamrl.trainer.service import BatchTrainer
 
 if TYPE_CHECKING:
@@ -36,12 +38,18 @@ def set_threads(num: int) -> None:
 
 
 def prompts_per_batch(cfg: Config) -> int:
-    """Prompts (groups) per rollout batch: more than `batch_prompts` under dynamic sampling, so
-    that the groups left after dropping those with no signal refill the batch."""
+    """Prompts (groups) per generation batch (the feeder's, and each dynamic-sampling refill):
+    `batch_prompts`, times `dynamic_sampling_oversample` under dynamic sampling."""
     a = cfg.algorithm
     if a.dynamic_sampling:
         return math.ceil(a.dynamic_sampling_oversample * cfg.rollout.batch_prompts)
     return cfg.rollout.batch_prompts
+
+
+def batches_per_step(cfg: Config) -> int:
+    """Most generation batches one training step may use: dynamic sampling's cap, else 1."""
+    a = cfg.algorithm
+    return a.dynamic_sampling_max_batches if a.dynamic_sampling else 1
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -106,6 +114,7 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
         batch_prompts=prompts_per_batch(ctx.cfg),
         group_size=r.group_size,
         seed=ctx.cfg.data.seed,
+        max_rounds=batches_per_step(ctx.cfg),
     )
 
 
@@ -119,9 +128,8 @@ def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine | Sgl
 
         return make_sglang_engine(ctx)
     tok = load_tokenizer(ctx.policy_dir)
-    model = (
-        model if model is not None else load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype)
-    )
+    if model is None:
+        model = load_policy_model(ctx, "rollout.device")
     return BuiltinEngine(
         model,
         eos_token_id=tok.eos_token_id,
@@ -142,11 +150,18 @@ def make_vllm_engine(ctx: RunContext) -> VllmEngine:
         enforce_eager=r.vllm_enforce_eager,
         enable_prefix_caching=r.vllm_prefix_caching,
         in_process=r.vllm_in_process,
+        num_engines=r.vllm_engines,
         seed=ctx.cfg.run.seed,
         extra=dict(r.vllm_engine_kwargs),
     )
     eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
     return VllmEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
+
+
+def rollout_rows_per_claim(cfg: Config) -> int:
+    """Rows a rollout service claims at once: `max_batch_size` for each engine it drives."""
+    r = cfg.rollout
+    return r.max_batch_size * (r.vllm_engines if r.engine == "vllm" else 1)
 
 
 def sampling_params(ctx: RunContext) -> SamplingParams:
@@ -156,13 +171,30 @@ def sampling_params(ctx: RunContext) -> SamplingParams:
     )
 
 
-def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
-    a = ctx.cfg.algorithm
+def resolve_device(key: str, device: str) -> str:
+    """A device setting (`key` names it in errors) resolved: `auto` is a GPU when torch sees one."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{key}=cuda, but torch sees no GPU; use {key}=cpu")
+    return device
+
+
+def load_policy_model(ctx: RunContext, device_key: str = "trainer.device"):
+    """The policy model from the run's model directory, on the device the setting `device_key`
+    names (the trainer, reference and pi_old models use `trainer.device`, the builtin engine
+    `rollout.device`). Every role loads its model through here."""
+    section, field = device_key.split(".")
+    device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
+    return load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
+
+
+def make_learner(ctx: RunContext) -> Learner | RankedLearner:
+    """The policy learner: in this process, or rank 0 of `trainer.world_size` FSDP2 ranks."""
+    a, t = ctx.cfg.algorithm, ctx.cfg.trainer
     torch.manual_seed(ctx.cfg.run.seed)
-    model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype)
     settings = loss_settings(ctx.cfg)
-    learner = Learner(
-        model,
+    kwargs = dict(
         pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
         lr=a.lr,
         weight_decay=a.weight_decay,
@@ -170,9 +202,31 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
         temperature=ctx.cfg.rollout.temperature,
         settings=settings,
         lr_schedule=a.lr_schedule,
-        total_steps=ctx.cfg.trainer.steps,
+        total_steps=t.steps,
         min_lr_ratio=a.min_lr_ratio,
+        padding_free=t.padding_free,
     )
+    if t.world_size == 1:
+        return Learner(load_policy_model(ctx), **kwargs)
+    spec = RankSpec(
+        model_dir=str(ctx.policy_dir),
+        dtype=ctx.cfg.model.dtype,
+        learner_kwargs=kwargs,
+        fsdp=FSDPSettings(
+            mixed_precision=t.mixed_precision, activation_checkpointing=t.activation_checkpointing
+        ),
+        device=resolve_device("trainer.device", t.device),
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        num_threads=torch.get_num_threads(),
+        seed=ctx.cfg.run.seed,
+    )
+    return RankedLearner(spec, t.world_size)
+
+
+def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
+    a = ctx.cfg.algorithm
+    learner = make_learner(ctx)
+    settings = learner.settings
     return BatchTrainer(
         learner,
         # A zero-advantage sample still has a gradient when KL or entropy is in the loss.

@@ -28,6 +28,7 @@ from streamrl.metrics import (
 )
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.runtime.errors import TrainerLost
+from streamrl.runtime.logs import attach_controller_log, detach, log_failure
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
 from streamrl.trainer.sft import cached_policy_dir, ensure_policy_dir
@@ -39,6 +40,7 @@ class RecordSink:
     """Turns trainer records into metrics lines, the trained-samples log and progress updates."""
 
     def __init__(self, run_dir: Path, tracker: MetricsTracker, progress: RunProgress):
+        self.run_dir = run_dir
         self.tracker = tracker
         self.progress = progress
         self.first_eval: float | None = None
@@ -48,16 +50,30 @@ class RecordSink:
         self.steps_done = 0
         self.dropped: dict[str, int] = {}
         self._last_time: float | None = None
-        self._role_busy: dict[str, float] = {}
+        self._role_totals: dict[tuple[str, str], float] = {}
+
+    def _share(self, role: str, key: str, total: float) -> float:
+        """This step's share of a role's cumulative counter (a restarted role counts anew)."""
+        before = self._role_totals.get((role, key), 0.0)
+        self._role_totals[role, key] = total
+        return total - before if total >= before else total
+
+    def rewind(self, step: int) -> None:
+        """The trainer resumes in place from the checkpoint of `step`: forget what came after
+        (a trainer starting anew, at step 0, evaluates step 0 again)."""
+        self.tracker.truncate_from(step + 1 if step else 0)
+        truncate_samples_log(self.run_dir, step + 1)
+        self._last_time = None
 
     def __call__(self, record: dict[str, Any]) -> None:
         step, metrics = record["step"], dict(record["metrics"])
         now = time.perf_counter()
+        role_tokens: dict[str, float] = {}
         for role, stats in record.get("roles", {}).items():  # cumulative -> this step's share
-            busy = stats.get("busy_s")
-            if busy is not None:
-                metrics[f"time/{role}_busy_s"] = busy - self._role_busy.get(role, 0.0)
-                self._role_busy[role] = busy
+            if stats.get("busy_s") is not None:
+                metrics[f"time/{role}_busy_s"] = self._share(role, "busy_s", stats["busy_s"])
+            if stats.get("tokens") is not None:  # engines: tokens generated
+                role_tokens[role] = self._share(role, "tokens", stats["tokens"])
             if role == "critic" and stats.get("value_loss") == stats.get("value_loss"):  # not NaN
                 metrics["critic/value_loss"] = stats["value_loss"]
         if "eval/accuracy" in metrics:
@@ -75,6 +91,8 @@ class RecordSink:
                     + metrics.get("time/checkpoint_s", 0.0)
                 )
                 metrics["throughput/tokens_per_s"] = metrics["response/tokens"] / max(wall, 1e-9)
+                for role, tokens in role_tokens.items():  # e.g. each rollout replica's rate
+                    metrics[f"throughput/{role}_tokens_per_s"] = tokens / max(wall, 1e-9)
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             self.trainer_busy_s += metrics.get("time/trainer_busy_s", 0.0)
             for key, value in metrics.items():
@@ -106,6 +124,8 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     run_dir = resume if resume is not None else make_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    run_log = attach_controller_log(run_dir)  # logs/controller.log; roles log beside it
+    log.info("run %s: mode %s", run_dir, cfg.runtime.mode)
     memory = PeakMemorySampler(interval_s=0.5)
     memory.start()
     try:
@@ -162,11 +182,17 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
                     cfg.runtime.max_restarts,
                 )
         start_step = first_start
-        role_stats["trainer_restarts"] = trainer_restarts
+        # Restarts of every role (trainer_restarts) plus the trainer's own in place, if any.
+        in_place = role_stats.get("restarts", {}).get("trainer", 0)
+        role_stats["trainer_restarts"] = trainer_restarts + in_place
         rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
         tracker.close()
+    except Exception:
+        log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
+        raise
     finally:
         memory.stop()
+        detach(run_log)
     summary = _summary(
         cfg,
         run_dir,
@@ -201,7 +227,7 @@ def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
         return run_inline(ctx, sink, start_step=start_step)
     from streamrl.runtime.ray_runtime import run_ray
 
-    return run_ray(ctx, sink, start_step=start_step)
+    return run_ray(ctx, sink, start_step=start_step, on_rewind=sink.rewind)
 
 
 def _summary(

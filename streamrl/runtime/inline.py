@@ -71,6 +71,7 @@ async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
         await asyncio.gather(train_loop(), *(loop(r) for r in others.values()))
     finally:
         others["reward"].close()
+        trainer.close()
     stats = {name: role.stats() for name, role in others.items()}
     stats["trainer"] = trainer.stats()
     stats["bus"] = bus.stats()

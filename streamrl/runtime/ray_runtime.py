@@ -16,6 +16,10 @@
 
 Each actor runs its role's loop in a thread (`run`), so the driver can ask it for stats and
 records or tell it to stop while the loop runs. Ray starts locally when no address is given.
+Around the roles: their placement (`runtime/placement.py`, optionally one placement group),
+their supervision (`runtime/supervisor.py`; a lost trainer resumes in place,
+`runtime/recovery.py`), their logs (`RUN_DIR/logs/<role>.log`, `runtime/logs.py`) and the weight
+channel (`runtime.weight_channel`: object store, tcp or collective).
 """
 
 from __future__ import annotations
@@ -25,51 +29,83 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
+from streamrl.runtime.components import batches_per_step, prompts_per_batch
 from streamrl.runtime.context import RunContext
 from streamrl.runtime.control import read_requests
+from streamrl.runtime.logs import attach_role_log, start_log_sink
+from streamrl.runtime.placement import RolePlacementGroup, placement_options
+from streamrl.runtime.recovery import (
+    DeferredAcks,
+    held_groups,
+    in_place_recovery,
+    settle_trainer_rows,
+)
 from streamrl.runtime.roles import active_roles, bus_capacity_groups, bus_consumers, stall_message
 from streamrl.runtime.supervisor import Supervisor, base_role
+from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
 log = logging.getLogger(__name__)
 
 # torch threads per role process: one each (two cores: rollout and trainer each get one);
 # the trainer's comes from `trainer.threads`.
 ROLE_THREADS = 1
+STATS_LOG_S = 30.0  # how often a role writes its counters into its log
 
 
 class RoleActor:
     """One role in its own process: builds it, then loops `step()` until told to stop."""
 
-    def __init__(self, name: str, ctx: RunContext, bus, weights, start_step: int, threads: int):
+    def __init__(
+        self,
+        name: str,
+        ctx: RunContext,
+        bus,
+        weights,
+        start_step: int,
+        threads: int,
+        log_sink=None,
+    ):
         from streamrl.runtime.components import set_threads
         from streamrl.runtime.roles import build_role
 
+        self.log_handler = attach_role_log(log_sink, name) if log_sink is not None else None
+        log.info("%s: starting (pid %d, start step %d)", name, os.getpid(), start_step)
         set_threads(threads)
+        if base_role(name) == "trainer" and in_place_recovery(ctx.cfg):
+            bus = DeferredAcks(bus, ctx.cfg.runtime.lease_s)  # acked once a checkpoint holds them
         self.name = name
         self.weights = weights
-        self.role = build_role(
-            base_role(name),
-            ctx,
-            bus,
-            weights,
-            start_step=start_step,
-            claim_wait_s=ctx.cfg.runtime.claim_wait_s,
-        )
+        try:
+            self.role = build_role(
+                base_role(name),
+                ctx,
+                bus,
+                weights,
+                start_step=start_step,
+                claim_wait_s=ctx.cfg.runtime.claim_wait_s,
+            )
+        except Exception:
+            log.exception("%s: could not be built", name)
+            self._flush_log()
+            raise
         self.poll_s = ctx.cfg.runtime.poll_s
         self._stop = threading.Event()
         self.error: str | None = None
 
     def info(self) -> dict[str, Any]:
         """Where this role runs."""
+        context = ray.get_runtime_context()
         info = {
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": context.get_node_id(),
+            "placement_group": context.get_placement_group_id(),
         }
         if hasattr(self.weights, "address"):  # the trainer's tcp weight server
             info["weights_port"] = self.weights.address[1]
@@ -79,8 +115,10 @@ class RoleActor:
         return True
 
     def run(self) -> None:
+        log.info("%s: running", self.name)
         try:
             idle_s = self.poll_s
+            next_stats = time.monotonic() + STATS_LOG_S
             while not self._stop.is_set():
                 if getattr(self.role, "done", False):
                     return
@@ -89,13 +127,26 @@ class RoleActor:
                 else:  # back off while there is nothing to do, up to 16x the poll interval
                     time.sleep(idle_s)
                     idle_s = min(idle_s * 2, self.poll_s * 16)
+                if time.monotonic() >= next_stats:
+                    next_stats = time.monotonic() + STATS_LOG_S
+                    log.info("%s: %s", self.name, self.role.stats())
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
+            log.exception("%s: loop failed", self.name)
             raise
         finally:
             close = getattr(self.role, "close", None)
             if close is not None:
                 close()
+            try:
+                log.info("%s: stopped; %s", self.name, self.role.stats())
+            except Exception as e:  # noqa: BLE001 - a broken role's stats must not hide its error
+                log.info("%s: stopped (no stats: %s)", self.name, e)
+            self._flush_log()
+
+    def _flush_log(self) -> None:
+        if self.log_handler is not None:
+            self.log_handler.flush(wait_s=5.0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,37 +176,67 @@ def ensure_ray(ctx: RunContext) -> None:
 
 
 def run_ray(
-    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+    ctx: RunContext,
+    on_record: Callable[[dict[str, Any]], None],
+    *,
+    start_step: int = 0,
+    on_rewind: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
+    """Run every role as a Ray actor until the trainer is done. `on_rewind(step)` is called when
+    a lost trainer resumes in place from the checkpoint of `step` (truncate the run's logs)."""
     from streamrl.bus.ray_bus import RayBus
 
     t0 = time.perf_counter()
     ensure_ray(ctx)
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
     rt = ctx.cfg.runtime
-    bus = RayBus.create(capacity_groups=bus_capacity_groups(ctx), shards=rt.bus_shards)
-    for consumer in bus_consumers(ctx):
-        bus.register_consumer(consumer)
-    publisher = weights_for_trainer(ctx)
-    actor_cls = ray.remote(max_concurrency=4)(RoleActor)
     roles = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
     names = [
         f"{role}#{i}" if i else role
         for role in roles
         for i in range(getattr(rt.roles, role).replicas)
     ]
+    group = None
+    if rt.placement_group.strategy != "none":  # first: it fails fast if it cannot be reserved
+        group = RolePlacementGroup(
+            names, rt.roles, rt.placement_group.strategy, rt.placement_group.timeout_s
+        )
+    log_sink = start_log_sink(ctx.run_dir)
+    groups_per_step = batches_per_step(ctx.cfg) * prompts_per_batch(ctx.cfg)  # refills included
+    capacity = bus_capacity_groups(ctx) + held_groups(ctx.cfg, groups_per_step)
+    bus = RayBus.create(capacity_groups=capacity, shards=rt.bus_shards)
+    for consumer in bus_consumers(ctx):
+        bus.register_consumer(consumer)
+    actor_cls = ray.remote(max_concurrency=4)(RoleActor)
     supervisor: Supervisor | None = None
-    subscriber = publisher
+    # What a (re)started trainer is given, and the weights handle of every other role.
+    trainer_start = {"ctx": ctx, "step": start_step, "weights": weights_for_trainer(ctx)}
+    subscriber = None
 
     def make_actor(name: str):
-        # A restarted feeder continues from the trainer's step (re-adding a live batch is a no-op).
-        step = start_step
-        if supervisor is not None and "trainer" in supervisor.actors:
-            step = ray.get(supervisor.actors["trainer"].stats.remote())["step"]
         threads = ctx.cfg.trainer.threads if name == "trainer" else ROLE_THREADS
-        options = placement_options(getattr(rt.roles, base_role(name)))
-        weights = publisher if name == "trainer" else subscriber
-        return actor_cls.options(**options).remote(name, ctx, bus, weights, step, threads)
+        if group is not None:  # its bundle (a restarted replica goes back into its own)
+            options = group.options(name)
+        else:
+            options = placement_options(getattr(rt.roles, base_role(name)))
+        if name == "trainer":
+            args = (trainer_start["ctx"], bus, trainer_start["weights"], trainer_start["step"])
+        else:
+            args = (ctx, bus, subscriber, _trainer_step(supervisor, trainer_start["step"]))
+        return actor_cls.options(**options).remote(name, *args, threads, log_sink)
+
+    def resume_trainer() -> str:
+        """Before a lost trainer restarts in place: the checkpoint, the bus, the logs."""
+        checkpoint = latest_checkpoint(ctx.run_dir)
+        step = read_state(checkpoint)["next_step"] if checkpoint is not None else 0
+        released, acked = settle_trainer_rows(bus, step)
+        if on_rewind is not None:
+            on_rewind(step)
+        trainer_start.update(ctx=replace(ctx, checkpoint=checkpoint), step=step)
+        return (
+            f"resuming from {checkpoint or 'the start'} in place ({released} leases handed "
+            f"back, {acked} checkpointed rows acked; the other roles keep running)"
+        )
 
     supervisor = Supervisor(
         make_actor,
@@ -166,21 +247,28 @@ def run_ray(
         backoff_s=rt.restart_backoff_s,
         health_interval_s=rt.health_interval_s,
         health_timeout_s=rt.health_timeout_s,
+        log_sink=log_sink,
+        on_removed=group.release if group is not None else None,
+        resume_trainer=resume_trainer if in_place_recovery(ctx.cfg) else None,
     )
     try:
         supervisor.start(["trainer"])  # first: its weight server's address goes to the others
-        subscriber = weights_for_engines(ctx, publisher, supervisor.info["trainer"])
+        trainer_info = supervisor.info["trainer"]
+        subscriber = weights_for_engines(ctx, trainer_start["weights"], trainer_info)
+        trainer_start["weights"] = weights_for_restarted_trainer(
+            ctx, trainer_start["weights"], trainer_info
+        )
         supervisor.start([n for n in names if n != "trainer"])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
         loop_started = time.perf_counter()
-        trainer = supervisor.actors["trainer"]
         last_record = time.perf_counter()
         while True:
             try:
-                records = ray.get(trainer.drain.remote())
+                records = ray.get(supervisor.actors["trainer"].drain.remote())
             except RayActorError as e:
-                supervisor.failed("trainer", f"process died ({type(e).__name__})")  # raises
-                raise  # unreachable: `failed` raises TrainerLost for the trainer
+                # Restarts it in place (or raises TrainerLost: the controller restarts all).
+                supervisor.failed("trainer", f"process died ({type(e).__name__})")
+                continue
             if records:  # cumulative busy time of the other roles, for per-step time per role
                 records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
                 supervisor.write_status()
@@ -192,7 +280,7 @@ def run_ray(
             if supervisor.check(timeout_s=0.2):
                 break
             supervisor.reconcile(read_requests(ctx.run_dir))
-        for record in ray.get(trainer.drain.remote()):
+        for record in ray.get(supervisor.actors["trainer"].drain.remote()):
             on_record(record)
         train_wall_s = time.perf_counter() - loop_started
         stats = _role_stats(supervisor)
@@ -203,6 +291,9 @@ def run_ray(
     finally:
         supervisor.stop()
         bus.close()
+        ray.kill(log_sink)
+        if group is not None:
+            group.remove()
         log.info("roles stopped at %.1fs", time.perf_counter() - t0)
     return stats
 
@@ -214,14 +305,43 @@ def weights_for_trainer(ctx: RunContext):
         from streamrl.weights.remote import TcpPublisher, resolve_token
 
         return TcpPublisher(rt.weight_bind, rt.weight_port, resolve_token(rt.weight_token))
+    if rt.weight_channel == "collective":
+        from streamrl.weights.collective_channel import CollectivePublisher, GroupDirectory
+
+        return CollectivePublisher(GroupDirectory.create(), rt.weight_bind, rt.weight_port)
     from streamrl.weights.dcs import RayWeights
 
     return RayWeights.create()
 
 
+def weights_for_restarted_trainer(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
+    """The handle a trainer restarted in place publishes to: the same, except that a tcp weight
+    server binds the port the first one got, where the engines' subscribers reconnect."""
+    if ctx.cfg.runtime.weight_channel != "tcp":
+        return publisher
+    from streamrl.weights.remote import TcpPublisher
+
+    return TcpPublisher(publisher.host, trainer_info["weights_port"], publisher.token)
+
+
+def _trainer_step(supervisor: Supervisor | None, default: int) -> int:
+    """The trainer's step, where a (re)started feeder continues (re-adding a live batch is a
+    no-op); `default` while there is no live trainer to ask."""
+    if supervisor is None or "trainer" not in supervisor.runs:
+        return default
+    try:
+        return ray.get(supervisor.actors["trainer"].stats.remote(), timeout=30)["step"]
+    except (RayActorError, ray.exceptions.GetTimeoutError):
+        return default
+
+
 def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
     """The handle the other roles read weights from: the publisher itself for the object-store
-    channel, a client of the trainer's weight server for tcp."""
+    channel, a client of the trainer's weight server for tcp, a group member for collective."""
+    if ctx.cfg.runtime.weight_channel == "collective":
+        from streamrl.weights.collective_channel import CollectiveSubscriber
+
+        return CollectiveSubscriber(publisher.directory)
     if ctx.cfg.runtime.weight_channel != "tcp":
         return publisher
     from streamrl.weights.remote import TcpSubscriber
@@ -229,31 +349,6 @@ def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]
 
     host = "127.0.0.1" if is_loopback(publisher.host) else trainer_info["node"]
     return TcpSubscriber(host, trainer_info["weights_port"], publisher.token)
-
-
-def placement_options(placement) -> dict[str, Any]:
-    """Ray actor options for a role's `runtime.roles.<role>` entry."""
-    options: dict[str, Any] = {
-        "num_cpus": placement.num_cpus,
-        "num_gpus": placement.num_gpus,
-        "resources": dict(placement.resources),
-    }
-    if placement.node:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-            node_id=_node_id(placement.node), soft=False
-        )
-    return options
-
-
-def _node_id(node: str) -> str:
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    for n in alive:
-        if node in (n["NodeID"], n["NodeManagerAddress"]):
-            return n["NodeID"]
-    known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in alive)
-    raise ValueError(f"runtime.roles: no live Ray node {node!r}; nodes: {known}")
 
 
 def _role_stats(supervisor: Supervisor, exclude: str = "") -> dict[str, Any]:

@@ -7,6 +7,7 @@ runtime supplies the loop around it (an asyncio task inline, a thread in a Ray a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from streamrl.data.feeder import PromptFeeder
@@ -15,7 +16,8 @@ from streamrl.reward.service import RewardRole
 from streamrl.rollout.service import RolloutRole
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
-from streamrl.trainer.advantage import AdvantageRole
+from streamrl.runtime.recovery import feeder_bound
+from streamrl.trainer.advantage import NORMALISER_FILE, AdvantageRole
 from streamrl.trainer.checkpoint import load_checkpoint
 from streamrl.trainer.hooks import TrainerHooks
 from streamrl.trainer.service import TrainerRole
@@ -43,16 +45,33 @@ def bus_consumers(ctx: RunContext) -> tuple[str, ...]:
 
 
 class FeederRole:
-    """Adds one batch of prompt groups whenever the bus has room (capacity backpressure)."""
+    """Adds one batch of prompt groups whenever the bus has room (capacity backpressure), leaving
+    `reserve_groups` free for the trainer's dynamic-sampling refills."""
 
-    def __init__(self, bus, feeder: PromptFeeder, *, start_batch: int, end_batch: int):
+    def __init__(
+        self,
+        bus,
+        feeder: PromptFeeder,
+        *,
+        start_batch: int,
+        end_batch: int,
+        reserve_groups: int = 0,
+        newest_batch: Callable[[], int] | None = None,
+    ):
         self.bus = bus
         self.feeder = feeder
         self.next_batch = start_batch
         self.end_batch = end_batch
+        self.reserve_groups = reserve_groups
+        # When the trainer keeps trained rows for recovery (runtime/recovery.py), capacity no
+        # longer bounds how far ahead the feeder runs: the newest admissible batch does.
+        self.newest_batch = newest_batch
 
     def step(self) -> bool:
-        if self.next_batch >= self.end_batch or not self.bus.can_add(self.feeder.batch_prompts):
+        room = self.feeder.batch_prompts + self.reserve_groups
+        if self.next_batch >= self.end_batch or not self.bus.can_add(room):
+            return False
+        if self.newest_batch is not None and self.next_batch > self.newest_batch():
             return False
         self.bus.add_rows(self.feeder.batch(self.next_batch))
         self.next_batch += 1
@@ -72,9 +91,10 @@ def stall_message(ctx: RunContext, role_stats: dict[str, Any], bus_stats: dict[s
 
 
 def bus_capacity_groups(ctx: RunContext) -> int:
-    """At most (max_staleness + 1) batches of prompts in flight."""
+    """At most (max_staleness + 1) batches of prompts in flight, plus room for the refill
+    batches of the step being trained under dynamic sampling (reserved: the feeder leaves it)."""
     r = ctx.cfg.rollout
-    return (r.max_staleness + 1) * C.prompts_per_batch(ctx.cfg)
+    return (r.max_staleness + C.batches_per_step(ctx.cfg)) * C.prompts_per_batch(ctx.cfg)
 
 
 def build_role(
@@ -93,7 +113,12 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
     group_rows = C.prompts_per_batch(cfg) * cfg.rollout.group_size
     if name == "feeder":
         return FeederRole(
-            bus, C.make_feeder(ctx), start_batch=start_step, end_batch=cfg.trainer.steps
+            bus,
+            C.make_feeder(ctx),
+            start_batch=start_step,
+            end_batch=cfg.trainer.steps,
+            reserve_groups=(C.batches_per_step(cfg) - 1) * C.prompts_per_batch(cfg),
+            newest_batch=feeder_bound(cfg, weights, start_step),
         )
     if name == "rollout":
         return RolloutRole(
@@ -102,7 +127,7 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             C.make_engine(ctx),
             params=C.sampling_params(ctx),
             max_staleness=cfg.rollout.max_staleness,
-            max_rows=cfg.rollout.max_batch_size,
+            max_rows=C.rollout_rows_per_claim(cfg),
             inflight_updates=cfg.rollout.inflight_weight_updates,
             lease_s=rt.lease_s,
         )
@@ -116,10 +141,9 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             lease_s=rt.lease_s,
         )
     if name in ("reference", "logp"):
-        from streamrl.models.loading import load_causal_lm
         from streamrl.reference.service import LogpRole, ReferenceRole
 
-        model = load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype)
+        model = C.load_policy_model(ctx)
         scoring = {
             "pad_token_id": load_tokenizer(ctx.policy_dir).pad_token_id,
             "temperature": cfg.rollout.temperature,
@@ -152,6 +176,9 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_staleness=cfg.rollout.max_staleness,
             max_rows=group_rows,
             lease_s=rt.lease_s,
+            normaliser_path=ctx.run_dir / NORMALISER_FILE,
+            resume_step=start_step if ctx.checkpoint is not None else None,
+            keep_batches=cfg.rollout.max_staleness + 2 * max(cfg.trainer.checkpoint_every, 1) + 2,
         )
     if name == "trainer":
         return build_trainer(ctx, bus, weights, start_step=start_step, checkpoint=ctx.checkpoint)
@@ -172,7 +199,10 @@ class TrainerWithHooks:
     def step(self) -> bool:
         record = self.role.step()
         if record is not None:
-            self.records.append(self.hooks.after_step(record))
+            record = self.hooks.after_step(record)
+            if "time/checkpoint_s" in record["metrics"] and hasattr(self.role.bus, "commit"):
+                self.role.bus.commit()  # deferred acks (runtime/recovery.py): now on disk
+            self.records.append(record)
         return self.role.progressed
 
     @property
@@ -187,6 +217,9 @@ class TrainerWithHooks:
 
     def stats(self) -> dict[str, Any]:
         return {"busy_s": self.role.trainer.busy_s, "step": self.role.current}
+
+    def close(self) -> None:
+        self.role.trainer.learner.close()  # stops the FSDP2 ranks, if any
 
 
 def build_trainer(
@@ -204,9 +237,11 @@ def build_trainer(
         weights,
         batch_trainer,
         extra_fields=C.trainer_extra_fields(cfg),
-        batch_prompts=C.prompts_per_batch(cfg),
+        batch_prompts=cfg.rollout.batch_prompts,
         micro_batch_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
         lease_s=cfg.runtime.lease_s,
         start_step=start_step,
+        refill=C.make_feeder(ctx) if cfg.algorithm.dynamic_sampling else None,
+        max_rounds=C.batches_per_step(cfg),
     )
     return TrainerWithHooks(role, TrainerHooks(ctx, learner, bus_state=bus.state_dict))

@@ -8,14 +8,16 @@ within `runtime.health_timeout_s` (a hung process is killed, then handled as dea
   its open leases are handed back to the bus at once, so its rows are served again, and the new
   process pulls the current weights. The critic restarts the same way and
   continues from its own state file (`critic.pt`).
-- The trainer is stateful: `TrainerLost` is raised and the controller resumes the run from the
-  latest checkpoint.
+- The trainer is stateful. With `resume_trainer` (`runtime.trainer_recovery=in_place`) it is
+  restarted alone from its latest checkpoint, the other roles running on (`runtime/recovery.py`
+  says how the bus and the logs are rewound); without it `TrainerLost` is raised and the
+  controller restarts every role from the latest checkpoint.
 - Each role has `runtime.max_restarts` restarts, with exponential backoff; when they are spent,
   the run fails with the role's last error.
 
-Every failure and action is logged and appended to `events.jsonl` in the run directory, and
-`roles.json` there always says where each role runs (node, pid), its restarts and its health;
-`streamrl status RUN_DIR` prints it.
+Every failure and action is logged, appended to `events.jsonl` in the run directory and to the
+role's own log file (`logs/<role>.log`), and `roles.json` there always says where each role runs
+(node, pid, log file), its restarts and its health; `streamrl status RUN_DIR` prints it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,24 @@ import ray
 from ray.exceptions import RayActorError
 
 from streamrl.runtime.errors import RoleFailed, TrainerLost
+from streamrl.runtime.logs import log_path, supervisor_line
 from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
 
 log = logging.getLogger(__name__)
+
+
+def _wait_gone(actor, timeout_s: float = 10.0) -> None:
+    """Wait (a bounded time) until a killed actor's process is gone: calls to it then fail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=1.0)
+        except RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    log.warning("a killed actor still answers after %.0fs", timeout_s)
 
 
 def base_role(name: str) -> str:
@@ -53,6 +70,9 @@ class Supervisor:
         backoff_s: float,
         health_interval_s: float,
         health_timeout_s: float,
+        log_sink=None,
+        on_removed: Callable[[str], None] | None = None,
+        resume_trainer: Callable[[], str] | None = None,
     ):
         self.make_actor = make_actor
         self.bus = bus
@@ -62,6 +82,9 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.log_sink = log_sink
+        self.on_removed = on_removed  # a drained replica is gone (its placement bundle is free)
+        self.resume_trainer = resume_trainer  # readies a restart in place; says what it did
         self.actors: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
@@ -78,7 +101,12 @@ class Supervisor:
             self.actors[name] = self.make_actor(name)
         infos = ray.get([self.actors[n].info.remote() for n in names])
         for name, info in zip(names, infos, strict=True):
-            self.info[name] = {**info, "healthy": True, "restarts": self.restarts.get(name, 0)}
+            self.info[name] = {
+                **info,
+                "healthy": True,
+                "restarts": self.restarts.get(name, 0),
+                "log": str(log_path(self.run_dir, name).relative_to(self.run_dir)),
+            }
             self.runs[name] = self.actors[name].run.remote()
         self.write_status()
 
@@ -131,8 +159,8 @@ class Supervisor:
         self.info[name]["healthy"] = False
         self.runs.pop(name, None)
         self._pings.pop(name, None)
-        if name == "trainer":
-            self._event(name, reason, "resume from the latest checkpoint")
+        if name == "trainer" and self.resume_trainer is None:
+            self._event(name, reason, "resume from the latest checkpoint, restarting every role")
             self.write_status()
             raise TrainerLost(f"trainer failed: {reason}")
         used = self.restarts.get(name, 0)
@@ -145,21 +173,21 @@ class Supervisor:
             )
         self.restarts[name] = used + 1
         delay = self.backoff_s * 2**used
-        # With several replicas this also hands back the healthy ones' leases: safe (writes are
-        # idempotent, a row is trained once), it only repeats some work.
-        base = base_role(name)
-        released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
-        note = " (the critic continues from its last critic.pt)"
-        self._event(
-            name,
-            reason,
-            f"restart {used + 1}/{self.max_restarts} in {delay:.1f}s; {released} leases handed back"
-            + (note if name == "critic" else ""),
-        )
         try:
-            ray.kill(self.actors[name])
+            ray.kill(self.actors[name])  # first: a trainer must not ack or log anything more
         except Exception:  # already gone
             pass
+        restart = f"restart {used + 1}/{self.max_restarts} in {delay:.1f}s"
+        if name == "trainer":
+            _wait_gone(self.actors[name])  # it may hold the tcp weight port its successor binds
+            self._event(name, reason, f"{restart}, {self.resume_trainer()}")
+        else:
+            # With several replicas this also hands back the healthy ones' leases: safe (writes
+            # are idempotent, a row is trained once), it only repeats some work.
+            base = base_role(name)
+            released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
+            note = " (the critic continues from its last critic.pt)" if name == "critic" else ""
+            self._event(name, reason, f"{restart}; {released} leases handed back{note}")
         time.sleep(delay)
         self.start([name])
 
@@ -194,6 +222,8 @@ class Supervisor:
                 del self.draining[name]
                 ray.kill(self.actors.pop(name))
                 self.info.pop(name, None)
+                if self.on_removed is not None:
+                    self.on_removed(name)
                 self._event(name, "drained", "removed")
                 self.write_status()
 
@@ -201,6 +231,8 @@ class Supervisor:
 
     def _event(self, role: str, failure: str, action: str) -> None:
         log.warning("role %s: %s -> %s", role, failure, action)
+        if self.log_sink is not None:
+            self.log_sink.write.remote(role, [supervisor_line(failure, action)])
         with open(self.run_dir / EVENTS_FILE, "a") as f:
             f.write(
                 json.dumps(

@@ -2,7 +2,9 @@
 
 It runs every stage in turn in one process, on all the cores it is given, and is the baseline
 that `max_staleness=0` must reproduce exactly and that async mode is measured against. It uses
-the same functions as the roles, so the two differ only in scheduling.
+the same functions as the roles, so the two differ only in scheduling. Under dynamic sampling a
+step generates refill batches until it has enough groups with signal, and trains the same
+groups the trainer role would (`trainer/dynamic_sampling.py`).
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.api import fields as F
-from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.models.loading import load_tokenizer
 from streamrl.reference.service import reference_fields
 from streamrl.reward.service import score_rows
 from streamrl.rollout.service import result_fields, to_requests
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
-from streamrl.trainer.advantage import advantage_fields
+from streamrl.trainer.advantage import NORMALISER_FILE, NormaliserLog, advantage_fields
 from streamrl.trainer.algos.shaping import RewardNormaliser
 from streamrl.trainer.checkpoint import load_checkpoint
+from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 from streamrl.trainer.hooks import TrainerHooks
 
 
@@ -37,60 +40,102 @@ def run_sync(
     engine = C.make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
     scorer = C.make_scorer(ctx)
-    reference = (
-        load_causal_lm(ctx.policy_dir, dtype=cfg.model.dtype) if cfg.algorithm.kl_coef > 0 else None
-    )
+    reference = C.load_policy_model(ctx) if cfg.algorithm.kl_coef > 0 else None
     adv_settings = C.advantage_settings(cfg)
     reward_norm = (
         RewardNormaliser(adv_settings.reward_norm_momentum) if adv_settings.reward_norm else None
     )
+    norm_log = None
+    if reward_norm is not None:
+        norm_log = NormaliserLog(reward_norm, ctx.run_dir / NORMALISER_FILE, keep_batches=2)
+        if ctx.checkpoint is not None:
+            norm_log.restore(start_step)
     critic = C.make_critic(ctx) if cfg.algorithm.advantage == "gae" else None
     params = C.sampling_params(ctx)
     micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
     rollout_s = 0.0
+
+    def batch_rows(step: int, round_index: int) -> list[dict[str, Any]]:
+        """One generation batch of `step`, through every stage up to its advantages."""
+        nonlocal rollout_s
+        started = time.perf_counter()
+        rows = [
+            {"sample_id": r["sample_id"], "group_id": r["group_id"], **r["fields"]}
+            for r in feeder.batch(step, round_index)
+        ]
+        for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
+            row.update(result_fields(result))
+        rollout_s += time.perf_counter() - started
+        _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
+        if reference is not None:
+            _merge(
+                rows,
+                reference_fields(
+                    reference,
+                    rows,
+                    pad_token_id=tokenizer.pad_token_id,
+                    temperature=cfg.rollout.temperature,
+                ),
+            )
+        if cfg.algorithm.proximal == "pi_old":  # the pi_old role's job, at this version
+            _merge(rows, _old_logprobs(trainer.learner, rows, tokenizer.pad_token_id, cfg))
+        if critic is not None:
+            _merge(rows, critic.values(rows))
+        if norm_log is not None:
+            norm_log.start_batch(step)
+        _merge(rows, advantage_fields(rows, adv_settings, reward_norm))
+        if norm_log is not None:
+            norm_log.save()
+        return rows
+
     if start_step == 0:
         on_record(hooks.initial_record())
     loop_started = time.perf_counter()
     try:
         for step in range(start_step, cfg.trainer.steps):
             started = time.perf_counter()
-            rows = [
-                {"sample_id": r["sample_id"], "group_id": r["group_id"], **r["fields"]}
-                for r in feeder.batch(step)
-            ]
-            for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
-                row.update(result_fields(result))
-            rollout_s += time.perf_counter() - started
-            _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
-            if reference is not None:
-                _merge(
-                    rows,
-                    reference_fields(
-                        reference,
-                        rows,
-                        pad_token_id=tokenizer.pad_token_id,
-                        temperature=cfg.rollout.temperature,
-                    ),
+            batches = [batch_rows(step, 0)]
+            rows, plan = batches[0], None
+            if cfg.algorithm.dynamic_sampling:
+                plan = StepGroups(
+                    target=cfg.rollout.batch_prompts, max_rounds=C.batches_per_step(cfg)
                 )
-            if cfg.algorithm.proximal == "pi_old":  # the pi_old role's job, at this version
-                _merge(rows, _old_logprobs(trainer.learner, rows, tokenizer.pad_token_id, cfg))
-            if critic is not None:
-                _merge(rows, critic.values(rows))
-            _merge(rows, advantage_fields(rows, adv_settings, reward_norm))
+                rows, surplus = _refill(plan, batches, step, feeder, batch_rows)
+                trainer.drop_rows(surplus, "surplus")
             for start in range(0, len(rows), micro):
                 trainer.train_microbatch(rows[start : start + micro])
             record = trainer.finish()
-            if critic is not None:
-                for start in range(0, len(rows), micro):
-                    critic.accumulate(rows[start : start + micro])
-                record["metrics"].update(critic.step())
+            if plan is not None:
+                record["metrics"].update(plan.metrics(step + 1))
+            if critic is not None:  # one critic step per generation batch, as the critic role
+                for batch in batches:
+                    for start in range(0, len(batch), micro):
+                        critic.accumulate(batch[start : start + micro])
+                    record["metrics"].update(critic.step())
             engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
             record["metrics"]["time/step_s"] = time.perf_counter() - started
             record["roles"] = {"rollout": {"busy_s": rollout_s}}
             on_record(hooks.after_step(record))
     finally:
         scorer.close()
+        trainer.learner.close()
     return {"rollout": {"busy_s": rollout_s}, "train_wall_s": time.perf_counter() - loop_started}
+
+
+def _refill(plan: StepGroups, batches: list, step: int, feeder, batch_rows) -> tuple[list, list]:
+    """Dynamic sampling: record each generation batch's groups and generate refill batches
+    (appended to `batches`) while the plan wants them; return (rows to train, surplus rows)."""
+    while True:
+        plan.add_round(feeder.group_ids(step, len(batches) - 1))
+        for gid, members in groups_of(batches[-1]).items():
+            plan.record(gid, group_informative(members))
+        if not plan.wants_round:
+            break
+        batches.append(batch_rows(step, len(batches)))
+    verdicts = plan.decide()
+    rows = [r for batch in batches for r in batch]
+    surplus = [r for r in rows if verdicts[r["group_id"]] == SURPLUS]
+    return [r for r in rows if verdicts[r["group_id"]] != SURPLUS], surplus
 
 
 def _old_logprobs(learner, rows, pad_token_id: int, cfg) -> dict[str, dict[str, Any]]:

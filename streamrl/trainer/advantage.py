@@ -10,14 +10,19 @@ Estimators with batch statistics (batch-scaled GRPO, REINFORCE++, GAE whitening,
 normalisation) wait for the whole batch; the others handle each group as soon as it is scored.
 Only samples with a reward enter the baseline; the others get advantage 0 and the trainer drops
 them with their reward status.
+
+The online reward normaliser is the role's only state; `NormaliserLog` keeps it in the run
+directory (`reward_norm.json`) so that a resumed or restarted role carries on with it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +37,7 @@ from streamrl.trainer.algos.losses import kl_estimate
 
 CONSUMER = "advantage"
 TOKEN_LEVEL = ("reinforce_pp", "gae")
+NORMALISER_FILE = "reward_norm.json"
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,57 @@ def _group_indices(rows: Sequence[Mapping[str, Any]]) -> list[int]:
     return [index.setdefault(r["group_id"], len(index)) for r in rows]
 
 
+class NormaliserLog:
+    """The online reward normaliser's statistics, saved in the run directory after every batch.
+
+    The file holds the latest state and, in the order batches were first normalised, the state
+    just before each one. A run resumed from a checkpoint whose next step is k normalises
+    batches k, k+1, ... again, so it restores the state before the first of them (exact with
+    max_staleness=0; with more, a refill round of an earlier batch normalised after that point
+    is left out). A role restarted in the middle of a run restores the latest state, since the
+    rows it already wrote are not served again.
+    """
+
+    def __init__(self, normaliser: shaping.RewardNormaliser, path: Path, *, keep_batches: int):
+        self.normaliser = normaliser
+        self.path = path
+        self.keep_batches = keep_batches
+        self.before: list[tuple[int, dict[str, float]]] = []  # (batch, state before it)
+
+    def restore(self, next_step: int | None) -> None:
+        """Load the state before batch `next_step` (a resume), or the latest one (None)."""
+        if not self.path.exists():
+            return
+        saved = json.loads(self.path.read_text())
+        self.before = [(int(b), state) for b, state in saved["before"]]
+        state = saved["latest"]
+        if next_step is not None:
+            later = [st for b, st in self.before if b >= next_step]
+            state = later[0] if later else state
+            self.before = [(b, st) for b, st in self.before if b < next_step]
+        self.normaliser.load_state_dict(state)
+
+    def start_batch(self, batch_index: int) -> None:
+        """Called before rows of `batch_index` update the statistics."""
+        if all(b != batch_index for b, _ in self.before):
+            self.before.append((batch_index, self.normaliser.state_dict()))
+            oldest = max(b for b, _ in self.before) - self.keep_batches
+            self.before = [(b, st) for b, st in self.before if b >= oldest]
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"latest": self.normaliser.state_dict(), "before": self.before}))
+        tmp.replace(self.path)
+
+
 class AdvantageRole(TransformRole):
+    """Args (beyond the bus and lease settings):
+    groups_per_batch: groups of one feeder batch (or refill round), for whole-batch estimators.
+    normaliser_path: where `NormaliserLog` keeps the reward normaliser (None: not saved).
+    resume_step: the checkpoint's next step when this run resumed one, else None.
+    keep_batches: how many batches back the log must reach (staleness + checkpoint interval).
+    """
+
     consumer = CONSUMER
     sampler = "group"
 
@@ -173,6 +229,9 @@ class AdvantageRole(TransformRole):
         max_staleness: int,
         max_rows: int,
         lease_s: float,
+        normaliser_path: Path | None = None,
+        resume_step: int | None = None,
+        keep_batches: int = 8,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         self.settings = settings
@@ -182,6 +241,15 @@ class AdvantageRole(TransformRole):
             if settings.reward_norm
             else None
         )
+        self.normaliser_log = None
+        if self.normaliser is not None and normaliser_path is not None:
+            self.normaliser_log = NormaliserLog(
+                self.normaliser, normaliser_path, keep_batches=keep_batches
+            )
+            if bus.stats()["acked"].get(CONSUMER, 0) > 0:  # restarted during this run
+                self.normaliser_log.restore(None)
+            elif resume_step is not None:
+                self.normaliser_log.restore(resume_step)
         self.batches = BatchCollector(
             bus,
             weights,
@@ -202,9 +270,14 @@ class AdvantageRole(TransformRole):
         complete = self.batches.poll(wait_s=self.claim_wait_s)
         if complete is None:
             return self.batches.claimed
-        b, rows = complete
+        key, rows = complete
         start = time.perf_counter()
-        self.bus.write(self.compute(rows))
-        self.batches.ack_batch(b)
+        if self.normaliser_log is not None:
+            self.normaliser_log.start_batch(key[0])
+        updates = self.compute(rows)
+        if self.normaliser_log is not None:  # saved before the trainer can see the batch
+            self.normaliser_log.save()
+        self.bus.write(updates)
+        self.batches.ack_batch(key)
         self.busy_s += time.perf_counter() - start
         return True

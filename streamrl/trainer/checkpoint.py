@@ -44,7 +44,7 @@ def save_checkpoint(
             shutil.copy(policy_dir / name, tmp / "model" / name)
     torch.save(
         {
-            "optimizer": learner.optimizer.state_dict(),
+            "optimizer": learner.optimizer_state_dict(),
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -76,14 +76,8 @@ def load_checkpoint(checkpoint: Path, learner) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     weights = load_file(str(checkpoint / "model" / "model.safetensors"))
-    missing, unexpected = learner.model.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(
-            f"checkpoint {checkpoint} does not match the model: missing {missing}, unexpected {unexpected}"
-        )
     blob = torch.load(checkpoint / "trainer.pt", weights_only=False)
-    learner.optimizer.load_state_dict(blob["optimizer"])
+    learner.load_weights_and_optimizer(weights, blob["optimizer"])
     torch.set_rng_state(blob["torch_rng"])
     np.random.set_state(blob["numpy_rng"])
     random.setstate(blob["python_rng"])

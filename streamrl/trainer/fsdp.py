@@ -29,7 +29,6 @@ ranks, which is what `Learner.step` assumes (it scales by world_size / global no
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from streamrl.trainer.learner import Learner
+from streamrl.trainer.learner import STAT_MEANS, Learner
 
 
 @dataclass(frozen=True)
@@ -174,16 +173,15 @@ class FSDPLearner(Learner):
         (logits.float().sum() * 0.0).backward()
 
     def step(self) -> dict[str, float]:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            parts: list[Any] = [None] * world
-            dist.all_gather_object(parts, (self._loss_sum, self._stats))
-            self._loss_sum = math.fsum(loss for loss, _ in parts)
-            merged: dict[str, float] = {}
-            for _, stats in parts:
-                for key, value in stats.items():
-                    merged[key] = merged.get(key, 0.0) + value
-            self._stats = merged
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # One all-reduce of fixed keys (a rank with no rows has no statistics yet).
+            keys = ("num_tokens", "mismatch_abs_sum", *STAT_MEANS)
+            sums = torch.tensor(
+                [self._loss_sum, *(self._stats.get(k, 0.0) for k in keys)], dtype=torch.float64
+            )
+            dist.all_reduce(sums)
+            self._loss_sum = float(sums[0])
+            self._stats = dict(zip(keys, sums[1:].tolist(), strict=True))
         return super().step()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -209,6 +207,15 @@ class FSDPLearner(Learner):
             optim_state_dict=state["optimizer"],
         )
         self.version = int(state["version"])
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        raise TypeError(
+            "a sharded learner's optimizer state is sharded: use save_checkpoint(path), or "
+            "RankedLearner for full state"
+        )
+
+    def load_weights_and_optimizer(self, weights: Any, optimizer_state: Any) -> None:
+        raise TypeError("a sharded learner loads with load_checkpoint(path)")
 
     def state_dict(self) -> dict[str, Any]:
         raise TypeError(

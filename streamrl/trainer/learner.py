@@ -19,6 +19,7 @@ import torch
 from streamrl.trainer.algos.losses import batch_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.logprobs import pack, response_logprobs
+from streamrl.trainer.microbatch import padding_free_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Learner:
         lr_schedule: str = "constant",
         total_steps: int = 1,
         min_lr_ratio: float = 0.1,
+        padding_free: bool = False,
     ):
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
@@ -59,6 +61,8 @@ class Learner:
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.settings = settings
+        self.padding_free = padding_free
+        self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
         )
@@ -89,12 +93,17 @@ class Learner:
             return
         self.model.train()
         s = self.settings
-        batch = pack(
-            [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], self.pad_token_id
-        )
+        prompts = [r["prompt_ids"] for r in rows]
+        responses = [r["response_ids"] for r in rows]
+        batch = pack(prompts, responses, self.pad_token_id).to(self.device)
         mask_bt = batch.response_mask_br
         with_entropy = s.entropy_coef > 0
-        out = response_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+        if self.padding_free:  # the rows end to end in one sequence: no compute on padding
+            out = padding_free_logprobs(
+                self.model, prompts, responses, self.temperature, with_entropy=with_entropy
+            )
+        else:
+            out = response_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
         logprobs_bt, entropy_bt = out if with_entropy else (out, None)
         loss_sum, stats = policy_loss_sum(
             logprobs_bt,
@@ -164,7 +173,32 @@ class Learner:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Detached copies of the parameters, keyed like the engine's model (for weight sync)."""
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the optimizer (`load_weights_and_optimizer` reads it)."""
+        return self.optimizer.state_dict()
+
+    def load_weights_and_optimizer(
+        self, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]
+    ) -> None:
+        """Restore a checkpoint: `weights` as `save_pretrained` wrote them (tied ones absent)."""
+        if "format" in optimizer_state:
+            raise ValueError(
+                "this checkpoint's optimizer state was written by sharded trainer ranks "
+                "(trainer.world_size > 1); resume it with trainer.world_size > 1"
+            )
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"}
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(
+                f"the checkpoint does not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def close(self) -> None:
+        """Nothing to release in one process (`RankedLearner` stops its ranks here)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -182,7 +216,7 @@ class Learner:
 def _advantages(mask_bt: torch.Tensor, values: Sequence[Any]) -> torch.Tensor:
     """`[B]` when every advantage is a float, else `[B, T]` (per-token advantages)."""
     if all(np.ndim(v) == 0 for v in values):
-        return torch.tensor([float(v) for v in values])
+        return torch.tensor([float(v) for v in values], device=mask_bt.device)
     return _pad_like(
         mask_bt,
         [
@@ -195,6 +229,7 @@ def _advantages(mask_bt: torch.Tensor, values: Sequence[Any]) -> torch.Tensor:
 def _pad_like(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
     out = torch.zeros_like(mask_bt)
     for i, s in enumerate(seqs):
-        values = torch.tensor(np.asarray(s, dtype=np.float32))  # a copy: Ray arrays are read-only
+        # A copy (Ray's arrays are read-only), on the batch's device.
+        values = torch.tensor(np.asarray(s, dtype=np.float32), device=mask_bt.device)
         out[i, : len(values)] = values
     return out

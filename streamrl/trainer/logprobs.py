@@ -25,6 +25,16 @@ class PackedBatch:
     response_mask_br: torch.Tensor
     prompt_width: int
 
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on `device`."""
+        return PackedBatch(
+            self.input_ids_bt.to(device),
+            self.attention_mask_bt.to(device),
+            self.response_ids_br.to(device),
+            self.response_mask_br.to(device),
+            self.prompt_width,
+        )
+
 
 def pack(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int

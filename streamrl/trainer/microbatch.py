@@ -140,8 +140,9 @@ def padding_free_logprobs(
         np.concatenate([np.asarray(p, np.int64), np.asarray(r, np.int64)])
         for p, r in zip(prompts, responses, strict=True)
     ]
-    input_ids = torch.from_numpy(np.concatenate(seqs)).unsqueeze(0)
-    position_ids = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0)
+    device = next(model.parameters()).device
+    input_ids = torch.from_numpy(np.concatenate(seqs)).unsqueeze(0).to(device)
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs]).unsqueeze(0).to(device)
     logits = model(
         input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False
     ).logits
@@ -149,10 +150,13 @@ def padding_free_logprobs(
     # Response token j of row i sits at flat column start_i + len(prompt_i) + j and is predicted
     # by the logits one column earlier; columns past the response's end are masked below.
     starts = np.cumsum([0] + [len(s) for s in seqs[:-1]])
-    first = torch.tensor([int(st) + len(p) - 1 for st, p in zip(starts, prompts, strict=True)])
-    lengths_b = torch.tensor([len(r) for r in responses])
-    mask_br = (torch.arange(width_r) < lengths_b.unsqueeze(1)).float()
-    columns_br = (first.unsqueeze(1) + torch.arange(width_r)).clamp(max=input_ids.shape[1] - 1)
+    first = torch.tensor(
+        [int(st) + len(p) - 1 for st, p in zip(starts, prompts, strict=True)], device=device
+    )
+    lengths_b = torch.tensor([len(r) for r in responses], device=device)
+    columns_r = torch.arange(width_r, device=device)
+    mask_br = (columns_r < lengths_b.unsqueeze(1)).float()
+    columns_br = (first.unsqueeze(1) + columns_r).clamp(max=input_ids.shape[1] - 1)
     logits_brv = logits[0][columns_br].float()
     if temperature > 0:
         logits_brv = logits_brv / temperature

@@ -5,6 +5,10 @@ Groups of batch k are claimed as soon as their advantages are ready and trained 
 are in, one optimizer step makes version k+1, the weights go to the weight-sync service, and
 only then are the rows acknowledged. A sample staler than `max_staleness` (cannot happen under
 admission control, checked anyway) is dropped and counted, never trained.
+
+With dynamic sampling the step trains exactly `batch_prompts` informative groups: the trainer
+adds refill rounds of batch k to the bus itself while too few have signal, and trains a group
+once its rank among the informative ones is certain (`dynamic_sampling.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from streamrl.api import fields as F
+from streamrl.api.bus import BusFullError
 from streamrl.metrics.stats import summarize
+from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 
 CONSUMER = "trainer"
 TRAIN_FIELDS = [
@@ -91,6 +97,12 @@ class BatchTrainer:
         self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
         self.busy_s += time.perf_counter() - start
 
+    def drop_rows(self, rows: Sequence[Mapping[str, Any]], reason: str) -> None:
+        """Rows of this step that are not trained (dynamic sampling's surplus): counted, and
+        part of the step's metrics and digest."""
+        self.rows_seen.extend(rows)
+        self.dropped[reason] += len(rows)
+
     def finish(self) -> dict[str, Any]:
         """Optimizer step; returns the step's metrics and the ids it trained."""
         start = time.perf_counter()
@@ -131,6 +143,13 @@ class BatchTrainer:
 
 
 class TrainerRole:
+    """Args:
+    batch_prompts: groups trained per step.
+    refill: with dynamic sampling, the feeder whose `batch(k, round_index)` makes the refill
+        rounds of batch k (None: every group of batch k is trained, no refill).
+    max_rounds: with `refill`, the most rounds (the feeder's batch included) per step.
+    """
+
     def __init__(
         self,
         bus,
@@ -142,6 +161,8 @@ class TrainerRole:
         micro_batch_rows: int,
         lease_s: float,
         start_step: int = 0,
+        refill=None,
+        max_rounds: int = 1,
     ):
         self.bus = bus
         self.weights = weights
@@ -152,14 +173,68 @@ class TrainerRole:
         self.lease_s = lease_s
         self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
         self.current = start_step
+        self.refill = refill
+        self.max_rounds = max_rounds
         self._leases: list[str] = []
         self._groups: set[str] = set()
-        self._step_started = time.perf_counter()
+        self._plan = self._new_plan()
+        self._held: dict[str, list[Mapping[str, Any]]] = {}  # claimed groups not yet decided
+        self._tried_round: tuple[int, int] | None = None  # (step, round) last tried
+        self._step_started = self._renewed = time.perf_counter()
+
+    def _new_plan(self) -> StepGroups | None:
+        if self.refill is None:
+            return None
+        plan = StepGroups(target=self.batch_prompts, max_rounds=self.max_rounds)
+        plan.add_round(self.refill.group_ids(self.current))  # the feeder adds round 0
+        return plan
+
+    def _add_round(self) -> bool:
+        """Put the next refill round of the current batch on the bus, if it has room now. The
+        first try of each round skips the room check: after a trainer recovery the round may
+        be on the bus already, and adding it again is a no-op that needs no room."""
+        plan = self._plan
+        first_try = self._tried_round != (self.current, plan.rounds)
+        self._tried_round = (self.current, plan.rounds)
+        if not first_try and not self.bus.can_add(self.refill.batch_prompts):
+            return False
+        try:
+            self.bus.add_rows(self.refill.batch(self.current, plan.rounds))
+        except BusFullError:  # no room yet (or the feeder took it first): retried later
+            return False
+        plan.add_round(self.refill.group_ids(self.current, plan.rounds))
+        return True
+
+    def _take(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Record claimed groups; train (or set aside) those whose verdict is now certain."""
+        for gid, members in groups_of(rows).items():
+            self._plan.record(gid, group_informative(members))
+            self._held[gid] = members
+        train: list[Mapping[str, Any]] = []
+        for gid, verdict in self._plan.decide().items():
+            members = self._held.pop(gid)
+            if verdict == SURPLUS:
+                self.trainer.drop_rows(members, "surplus")
+            else:  # trained, or dropped by the batch trainer (advantage None) and counted there
+                train.extend(members)
+        for lo in range(0, len(train), self.micro_batch_rows):
+            self.trainer.train_microbatch(train[lo : lo + self.micro_batch_rows])
+
+    def _renew_leases(self) -> None:
+        """Keep the step's claimed rows leased while it waits for slow groups (or refills)."""
+        if time.perf_counter() - self._renewed < self.lease_s / 3:
+            return
+        for lease_id in self._leases:
+            self.bus.renew(lease_id)
+        self._renewed = time.perf_counter()
 
     def step(self) -> dict[str, Any] | None:
         """Train one ready micro-batch of the current batch; return a step record when the step
         completed, else None (the caller checks `progressed` for whether any work was done)."""
         self.progressed = False
+        if self._plan is not None and self._plan.wants_round:
+            self.progressed = self._add_round()
+        self._renew_leases()
         lease = self.bus.claim(
             CONSUMER,
             self.fields,
@@ -173,11 +248,23 @@ class TrainerRole:
             return None
         self.progressed = True
         self._leases.append(lease.lease_id)
-        self._groups.update(r["group_id"] for r in lease.rows)
-        self.trainer.train_microbatch(lease.rows)
-        if len(self._groups) < self.batch_prompts:
-            return None
+        # A group served again after its lease expired (a stall) is already in this step.
+        rows = [r for r in lease.rows if r["group_id"] not in self._groups]
+        self._groups.update(r["group_id"] for r in rows)
+        if self._plan is None:
+            self.trainer.train_microbatch(rows)
+            if len(self._groups) < self.batch_prompts:
+                return None
+        else:
+            self._take(rows)
+            if self._plan.wants_round:
+                self._add_round()
+            if not self._plan.complete:
+                return None
+        assert not self._held, f"groups without a verdict at the end of a step: {list(self._held)}"
         record = self.trainer.finish()
+        if self._plan is not None:
+            record["metrics"].update(self._plan.metrics(self.current + 1))
         self.weights.publish(self.trainer.learner.version, self.trainer.learner.named_weights())
         for lease_id in self._leases:
             self.bus.ack(lease_id)
@@ -186,4 +273,5 @@ class TrainerRole:
         self._step_started = time.perf_counter()
         self._leases, self._groups = [], set()
         self.current += 1
+        self._plan = self._new_plan()
         return record

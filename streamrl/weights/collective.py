@@ -53,7 +53,13 @@ class _Group:
     """Store + process group + the device its buffers live on, for one rank."""
 
     def __init__(
-        self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float
+        self,
+        init_method: str,
+        world_size: int,
+        rank: int,
+        backend: str,
+        timeout_s: float,
+        store: dist.TCPStore | None = None,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -64,7 +70,7 @@ class _Group:
         self.rank, self.world_size = rank, world_size
         timeout = timedelta(seconds=timeout_s)
         try:
-            self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout)
+            self.store = store or dist.TCPStore(host, port, world_size, rank == 0, timeout)
             self.pg, self.device = _process_group(backend, self.store, rank, world_size, timeout)
         except dist.DistError as e:
             raise TimeoutError(
@@ -143,16 +149,19 @@ class CollectiveWeightSender:
         alone_bytes: int | None = 2**20,
         timeout_s: float = 300.0,
         max_in_flight: int = 2,
+        store: dist.TCPStore | None = None,
     ) -> None:
         """Blocks until all `world_size - 1` receivers joined (or `timeout_s` passed).
-        `alone_bytes=None` packs every tensor into buckets."""
+        `alone_bytes=None` packs every tensor into buckets. `store`: the rendezvous store this
+        process already serves at `init_method` (made with `wait_for_workers=False`, e.g. on
+        port 0 to learn a free port before the receivers are told where to join)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.bucket_bytes = bucket_bytes
         self.alone_bytes = alone_bytes
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
-        self._group = _Group(init_method, world_size, 0, backend, timeout_s)
+        self._group = _Group(init_method, world_size, 0, backend, timeout_s, store)
         self._staging = _Staging(self._group.device)
         self._version = -1
         self._num_publishes = 0
@@ -196,8 +205,11 @@ class CollectiveWeightSender:
 
     def close(self, wait_s: float = 10.0) -> None:
         """Tell the receivers no more versions come (their `receive` returns None), and give
-        them up to `wait_s` to see it before this process, which serves the store, goes away."""
+        them up to `wait_s` to see it before this process, which serves the store, goes away
+        (0: do not wait)."""
         self._group.store.set(f"{_KEY}{self._num_publishes}", _CLOSED)
+        if wait_s <= 0:
+            return
         deadline = time.monotonic() + wait_s
         num_receivers = self._group.world_size - 1
         while self._group.store.add(_CLOSED_ACKS, 0) < num_receivers:

@@ -4,17 +4,26 @@
 process (the DCS: it keeps the latest version in host memory and streams it to any engine that
 asks). `TcpSubscriber` goes to every other role: it connects on first use. Only the address and
 the token travel when a handle is pickled; sockets and threads are created where it is used.
+
+The server lives and dies with the trainer's process. A trainer restarted in place serves again
+on the same port, so a subscriber rides out a lost server for `outage_s`: meanwhile it reports
+nothing newer (and the last version it saw) and tries a new connection at most once a second.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from streamrl.weights.tcp import TcpWeightClient, TcpWeightServer
 
+log = logging.getLogger(__name__)
+
 TOKEN_ENV = "STREAMRL_WEIGHT_TOKEN"
+RECONNECT_S = 1.0
 
 
 def resolve_token(token: str | None) -> str | None:
@@ -50,23 +59,61 @@ class TcpPublisher:
 
 
 class TcpSubscriber:
-    def __init__(self, host: str, port: int, token: str | None):
-        self.host, self.port, self.token = host, port, token
+    def __init__(self, host: str, port: int, token: str | None, outage_s: float = 300.0):
+        self.host, self.port, self.token, self.outage_s = host, port, token, outage_s
         self._client: TcpWeightClient | None = None
-
-    def _live(self) -> TcpWeightClient:
-        if self._client is None:
-            self._client = TcpWeightClient(self.host, self.port, token=self.token)
-        return self._client
+        self._last_version = -1
+        self._down_since: float | None = None
+        self._next_try = 0.0
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         raise RuntimeError("only the trainer publishes weights (this role holds a subscriber)")
 
     def latest_version(self) -> int:
-        return self._live().latest_version()
+        self._last_version = self._call(lambda c: c.latest_version(), self._last_version)
+        return self._last_version
 
     def fetch_newer(self, have_version: int):
-        return self._live().fetch_newer(have_version)
+        found = self._call(lambda c: c.fetch_newer(have_version), None)
+        if found is not None:
+            self._last_version = found[0]
+        return found
+
+    def _call(self, request: Callable[[TcpWeightClient], Any], fallback: Any) -> Any:
+        """`request` on the live connection; `fallback` while the server is unreachable."""
+        now = time.monotonic()
+        if self._down_since is not None and now < self._next_try:
+            return fallback
+        try:
+            if self._client is None:
+                self._client = TcpWeightClient(self.host, self.port, token=self.token)
+            result = request(self._client)
+        except OSError as e:  # refused, reset, timed out: the trainer's process is gone
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if self._down_since is None:
+                self._down_since = now
+                log.warning(
+                    "weight server %s:%d unreachable (%s); retrying for up to %.0fs (a trainer "
+                    "restarted in place serves on the same port)",
+                    self.host,
+                    self.port,
+                    e,
+                    self.outage_s,
+                )
+            if now - self._down_since > self.outage_s:
+                raise ConnectionError(
+                    f"weight server {self.host}:{self.port} unreachable for {self.outage_s:.0f}s"
+                ) from e
+            self._next_try = now + RECONNECT_S
+            return fallback
+        if self._down_since is not None:
+            log.info(
+                "weight server %s:%d back after %.1fs", self.host, self.port, now - self._down_since
+            )
+            self._down_since = None
+        return result
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "token": self.token, "_client": None}
+        return {**self.__dict__, "_client": None, "_down_since": None}

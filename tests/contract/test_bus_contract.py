@@ -30,7 +30,8 @@ LEASE_S = 0.25  # short leases for expiry tests; the sleep after is LEASE_S + ma
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a fresh instance even when another Ray cluster runs on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -707,11 +708,12 @@ def test_local_bus_handles_many_rows_quickly() -> None:
 
 def _num_store_objects() -> int:
     # Ray has no public API for object-store usage; this private one is stable in the pinned Ray.
+    import ray
     from ray._private.internal_api import memory_summary
 
-    match = re.search(
-        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
-    )
+    # This test's own cluster, not whichever one Ray's auto-detection would find.
+    summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+    match = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", summary)
     assert match is not None
     return int(match.group(1))
 

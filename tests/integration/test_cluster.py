@@ -1,7 +1,9 @@
 """A multi-node Ray cluster simulated on one machine: a head and a worker node started by the
 test, the job joining it by address, with roles pinned to different nodes by custom resources.
 The default job must still meet the foundation's accuracy bar, and `streamrl status` must show
-the roles where they were placed."""
+the roles where they were placed. A short run with a SPREAD placement group must reserve one
+group for all roles and spread them over both nodes, and the logs of roles on the worker node
+must reach the run directory."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import pytest
 from ray.cluster_utils import Cluster
 
-from tests.integration.conftest import run_cli
+from tests.integration.conftest import QUICK, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -64,3 +66,30 @@ def test_roles_on_two_nodes_meet_the_accuracy_bar(tmp_path, two_nodes):
 
     status = run_cli(["status", str(run_dir)]).stdout
     assert "finished" in status and "rollout" in status
+
+
+def test_placement_group_spreads_the_roles_over_both_nodes(tmp_path, two_nodes, quick_cache):
+    run_dir = tmp_path / "spread"
+    run_cli(
+        [
+            "train",
+            *QUICK,
+            f"run.cache_dir={quick_cache}",
+            "trainer.steps=3",
+            "trainer.eval_every=0",
+            f"runtime.ray_address={two_nodes.address}",
+            "runtime.placement_group.strategy=SPREAD",
+            f"run.run_dir={run_dir}",
+        ]
+    )
+    roles = json.loads((run_dir / "roles.json").read_text())["roles"]
+    assert {"trainer", "rollout", "reward", "advantage", "feeder"} <= set(roles)
+    groups = {info["placement_group"] for info in roles.values()}
+    assert len(groups) == 1 and None not in groups, groups
+    nodes = {info["node_id"] for info in roles.values()}
+    assert len(nodes) == 2, "SPREAD left a node without roles"
+
+    for name, info in roles.items():  # every role's log, wherever it ran, is in the run dir
+        text = (run_dir / info["log"]).read_text()
+        assert f"{name}: running" in text and f"{name}: stopped" in text, (name, text[-2000:])
+    assert "placement group SPREAD ready" in (run_dir / "logs" / "controller.log").read_text()

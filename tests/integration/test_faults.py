@@ -3,8 +3,9 @@
 - The rollout engine and the reward service are each killed 3 times during the default job:
   the run completes, every sample id is trained exactly once (or dropped with a reason, never
   both and never lost), and the foundation's accuracy bar is met.
-- The trainer is killed: the run resumes from its latest checkpoint by itself, and no sample is
-  trained twice.
+- The trainer is killed: it alone restarts, from its latest checkpoint, while the other roles
+  keep running (runtime/recovery.py), and no sample is trained twice. Every role's log, both
+  trainer processes included, is in RUN_DIR/logs.
 
 Role processes are found through `roles.json`, which the supervisor keeps in the run directory.
 """
@@ -133,17 +134,32 @@ def test_trainer_killed_resumes_from_its_checkpoint(tmp_path, quick_cache):
     ]
     proc = start(args, run_dir)
     try:
+        rollout_pid = wait_for(proc, "a live rollout", lambda: role_pid(run_dir, "rollout"))
         kill_role(proc, run_dir, "trainer", at_step=12)
         out = finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
-    assert "resuming from" in out
+    assert "resuming from" in out and "in place" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_restarts"] == 1
+    assert summary["role_restarts"] == {"trainer": 1}  # nobody else restarted
+    assert role_pid(run_dir, "rollout") == rollout_pid  # the same engine served the whole run
     trained = trained_ids(run_dir)
     assert max(trained.values()) == 1, "a sample was trained twice"
     assert set(trained) == all_ids(steps, 4, 4)
     steps_logged = [line["step"] for line in read_jsonl(run_dir / "trained_samples.jsonl")]
     assert steps_logged == list(range(1, steps + 1))
+    metric_steps = [line["step"] for line in read_jsonl(run_dir / "metrics.jsonl")]
+    assert metric_steps == sorted(set(metric_steps)), "metrics of replayed steps kept twice"
+    assert any(
+        "throughput/rollout_tokens_per_s" in line for line in read_jsonl(run_dir / "metrics.jsonl")
+    )
+
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count("trainer: starting") == 2  # both processes, in one file
+    assert "SUPERVISOR process died" in trainer_log
+    for role in ("rollout", "reward", "advantage", "feeder"):
+        assert (run_dir / "logs" / f"{role}.log").read_text().count(f"{role}: starting") == 1
+    assert "resuming from" in (run_dir / "logs" / "controller.log").read_text()

@@ -7,6 +7,13 @@
 2. On identical weights (the synchronous loop: every token is sampled by exactly the weights the
    trainer scores it with) the mean |trainer - vLLM| log-prob of every step stays under
    MISMATCH_BOUND. Measured on this machine, fp32: 4e-8 to 2.3e-7 per step (docs/engines.md).
+3. Two vLLM engines behind one rollout service, each in an engine-core process of its own
+   (`rollout.vllm_engines=2 rollout.vllm_in_process=false`), at `max_staleness=0` in the Ray
+   layout: groups split between the engine cores (least-loaded routing), and each new version
+   goes to both as a safetensors blob. Every step's mismatch must stay under the same bound: an
+   engine that missed an update would serve its share from old weights and the mismatch would
+   jump by orders of magnitude (measured: 4e-8 to 1.6e-7 per step). The rollout role's log must
+   show that both engines served requests.
 
 Needs vLLM (`make install-vllm`); skipped without it unless STREAMRL_REQUIRE_VLLM=1 (set by the
 Makefile's test targets), which turns the skip into a failure.
@@ -18,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -78,3 +86,41 @@ def test_vllm_logprobs_match_the_trainers_on_identical_weights(tmp_path):
     for m in steps:
         assert m["train/trained_tokens"] > 0, m["step"]  # the bound below is about real tokens
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
+
+
+def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
+    run_dir = tmp_path / "two-engines"
+    run_cli(
+        [
+            "train",
+            "rollout.engine=vllm",
+            "rollout.vllm_engines=2",
+            "rollout.vllm_in_process=false",
+            "rollout.vllm_kv_cache_gib=0.25",
+            "rollout.max_staleness=0",
+            "rollout.batch_prompts=8",
+            "rollout.group_size=4",
+            "trainer.steps=4",
+            "trainer.eval_every=0",
+            "run.progress=false",
+            "run.log_every=0",
+            "run.tensorboard=false",
+            f"run.run_dir={run_dir}",
+        ]
+    )
+    assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
+    steps = train_steps(run_dir)
+    assert len(steps) == 4
+    for m in steps:
+        assert m["staleness/max"] == 0, m["step"]
+        assert m["train/trained_tokens"] > 0, m["step"]  # the bound is about real tokens
+        assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
+    # The rollout role logs its stats, with the requests each engine was given, to its log in
+    # the run directory.
+    logs = sorted((run_dir / "logs").glob("rollout*.log"))
+    assert logs, f"no rollout log in {run_dir / 'logs'}"
+    text = "".join(p.read_text() for p in logs)
+    per_engine = re.findall(r"'requests_per_engine': \[(\d+), (\d+)\]", text)
+    assert per_engine, "the rollout role logged no requests_per_engine"
+    served = [int(n) for n in per_engine[-1]]
+    assert sum(served) >= 4 * 8 * 4 and min(served) > 0, served

@@ -1,7 +1,9 @@
 """The vLLM engine on a tiny Qwen3: log-probs agree with the trainer's on identical weights,
 sampling is per-request deterministic, greedy is argmax, weight updates reach every layer (the
 tied output layer included), and in-flight updates resume requests as continuations whose
-tokens carry the version that sampled them.
+tokens carry the version that sampled them. With two engines behind one VllmEngine: groups are
+spread over both and sample what one engine samples, and every weight update (between batches and
+in flight) reaches both, in process and with an engine-core process each.
 
 Needs vLLM (`make install-vllm`). Outside the Makefile's test targets the module is skipped when
 vLLM is missing; those targets set STREAMRL_REQUIRE_VLLM=1, which turns the skip into a failure.
@@ -179,18 +181,25 @@ def test_weights_as_read_only_numpy_arrays(engine, base_model, prompts) -> None:
     assert_logprobs_match(model, results, prompts, temperature=1.0)
 
 
+def update_at_third_poll(version: int, model):
+    """A weight poll that hands over `model`'s weights as `version` at its third call."""
+    num_polls = 0
+
+    def weight_poll():
+        nonlocal num_polls
+        num_polls += 1
+        return (version, dict(model.named_parameters())) if num_polls == 3 else None
+
+    return weight_poll
+
+
 def test_inflight_update_resumes_requests_under_the_new_weights(
     engine, base_model, prompts
 ) -> None:
     new_model = perturbed(base_model, scale=0.2)
     old_version = engine.version
     new_version = old_version + 5
-    num_polls = 0
-
-    def weight_poll():
-        nonlocal num_polls
-        num_polls += 1
-        return (new_version, dict(new_model.named_parameters())) if num_polls == 3 else None
+    weight_poll = update_at_third_poll(new_version, new_model)
 
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2)
     streamed: list[GenerationResult] = []
@@ -226,18 +235,141 @@ def test_too_long_a_request_is_refused(engine, prompts) -> None:
         engine.generate(requests(prompts, "a"), SamplingParams(max_new_tokens=10_000))
 
 
-def test_weight_update_across_processes(model_dir: Path, base_model, prompts) -> None:
-    # vLLM's engine core and worker in their own processes: weights travel as safetensors bytes.
+# Several engines behind one VllmEngine. In process (the second starts in under a second), and
+# in processes of their own (test_two_engines_in_their_own_processes), where weights travel as
+# safetensors bytes and the engine cores run ahead of this process between its steps.
+
+
+@pytest.fixture(scope="module")
+def two_engines(model_dir: Path):
     engine = VllmEngine(
         model_dir,
         eos_token_id=build_tokenizer().eos_token_id,
-        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=16, in_process=False),
+        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=64, num_engines=2),
+    )
+    yield engine
+    engine.close()
+
+
+def grouped(prompts: dict[str, list[int]], group_size: int) -> list[GenerationRequest]:
+    """`group_size` samples of every prompt, as a rollout batch holds them."""
+    return [
+        GenerationRequest(f"{rid}/{i}", prompts[rid]) for rid in prompts for i in range(group_size)
+    ]
+
+
+def served_by(results: list[GenerationResult]) -> dict[str, set[int]]:
+    """prompt key -> the engines that ran any attempt of any of its samples."""
+    out: dict[str, set[int]] = {}
+    for r in results:
+        out.setdefault(r.request_id.split("/")[0], set()).update(r.extra["engines"])
+    return out
+
+
+def grouped_logprobs_match(model, results, prompts, temperature: float) -> None:
+    by_id = {r.request_id: prompts[r.request_id.split("/")[0]] for r in results}
+    assert_logprobs_match(model, results, by_id, temperature)
+
+
+def test_groups_spread_over_engines_and_sample_what_one_engine_samples(
+    engine, two_engines, base_model, prompts
+) -> None:
+    two_engines.load_weights(engine.version, dict(base_model.named_parameters()))
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4)
+    batch = grouped(prompts, group_size=3)
+    before = two_engines.requests_per_engine
+    results = two_engines.generate(batch, params)
+    routed = [a - b for a, b in zip(two_engines.requests_per_engine, before, strict=True)]
+    assert sum(routed) == len(batch) and min(routed) >= 3, routed  # both engines got groups
+    served = served_by(results)
+    assert all(len(engines) == 1 for engines in served.values()), served  # groups stay whole
+    assert set().union(*served.values()) == {0, 1}
+    # Per-request seeds: where a request ran does not change what it sampled.
+    alone = {r.request_id: r for r in engine.generate(batch, params)}
+    for r in results:
+        assert r.response_ids == alone[r.request_id].response_ids, r.request_id
+        assert r.logprobs == pytest.approx(alone[r.request_id].logprobs, abs=1e-5)
+    assert two_engines.balancer.requests == [0, 0] and two_engines.balancer.tokens == [0, 0]
+
+
+def test_a_weight_update_reaches_every_engine(two_engines, base_model, prompts) -> None:
+    model = perturbed(base_model, scale=0.1)
+    version = two_engines.version + 1
+    two_engines.load_weights(version, dict(model.named_parameters()))
+    assert [r.version for r in two_engines.replicas] == [version, version]
+    results = two_engines.generate(grouped(prompts, 2), SamplingParams(8, 1.0, seed=6))
+    assert set().union(*served_by(results).values()) == {0, 1}
+    grouped_logprobs_match(model, results, prompts, temperature=1.0)
+    assert all(set(r.versions) == {version} for r in results)
+
+
+def check_inflight_update(engines: VllmEngine, base_model, prompts) -> None:
+    """Generate two samples of each prompt from `base_model`'s weights with an update to other
+    weights at the third weight poll, and check every token's version and log-prob."""
+    engines.load_weights(engines.version + 1, dict(base_model.named_parameters()))
+    new_model = perturbed(base_model, scale=0.2)
+    old_version = engines.version
+    new_version = old_version + 3
+    weight_poll = update_at_third_poll(new_version, new_model)
+
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=2)
+    continued_before = engines.num_continuations
+    results = engines.generate(grouped(prompts, 2), params, weight_poll=weight_poll)
+    assert [r.version for r in engines.replicas] == [new_version] * len(engines.replicas)
+    spanning = 0
+    for r in results:
+        # Old tokens, then new ones. In process, each loop steps every busy engine once, so three
+        # steps of each ran before the update. An engine core in its own process runs ahead of
+        # this process, which has seen at most three steps' tokens by then (the rest are
+        # discarded by the abort); the log-prob check below shows each token's version is right.
+        num_old = r.versions.count(old_version)
+        assert r.versions == [old_version] * num_old + [new_version] * (len(r.versions) - num_old)
+        if engines.settings.in_process:
+            assert num_old == min(3, len(r.response_ids))
+        else:
+            assert num_old <= 3
+        spanning += new_version in r.versions
+        prompt = {r.request_id: prompts[r.request_id.split("/")[0]]}
+        old_lp, new_lp = (trainer_logprobs(m, [r], prompt, 1.0)[0] for m in (base_model, new_model))
+        want = torch.where(torch.tensor(r.versions) == old_version, old_lp, new_lp)
+        assert float((torch.tensor(r.logprobs) - want).abs().max()) <= LOGPROB_TOLERANCE
+    assert spanning >= 2
+    assert engines.num_continuations - continued_before == spanning
+    # Before the update both engines ran requests, so both were aborted and resumed.
+    assert {r.extra["engines"][0] for r in results} == set(range(len(engines.replicas)))
+    assert engines.balancer.requests == [0] * len(engines.replicas)
+
+
+def test_inflight_update_reaches_every_engine(two_engines, base_model, prompts) -> None:
+    check_inflight_update(two_engines, base_model, prompts)
+
+
+def test_a_failed_generate_leaves_the_engines_clean(two_engines, prompts) -> None:
+    def failing_poll():
+        raise ConnectionError("weight service gone")
+
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    with pytest.raises(ConnectionError, match="weight service gone"):
+        two_engines.generate(grouped(prompts, 2), params, weight_poll=failing_poll)
+    assert two_engines.balancer.requests == [0, 0] and two_engines.balancer.tokens == [0, 0]
+    assert not any(r.engine.has_unfinished_requests() for r in two_engines.replicas)
+    results = two_engines.generate(grouped(prompts, 2), params)
+    assert all(len(r.response_ids) > 0 for r in results)
+
+
+def test_two_engines_in_their_own_processes(model_dir: Path, base_model, prompts) -> None:
+    engines = VllmEngine(
+        model_dir,
+        eos_token_id=build_tokenizer().eos_token_id,
+        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=16, in_process=False, num_engines=2),
     )
     try:
         model = perturbed(base_model)
-        engine.load_weights(1, {n: p.detach().numpy() for n, p in model.named_parameters()})
-        results = engine.generate(requests(prompts, "a", "d"), SamplingParams(8, 1.0))
-        assert_logprobs_match(model, results, prompts, temperature=1.0)
+        engines.load_weights(1, {n: p.detach().numpy() for n, p in model.named_parameters()})
+        results = engines.generate(grouped(prompts, 2), SamplingParams(8, 1.0))
+        assert set().union(*served_by(results).values()) == {0, 1}
+        grouped_logprobs_match(model, results, prompts, temperature=1.0)
+        check_inflight_update(engines, base_model, prompts)
     finally:
-        engine.close()
+        engines.close()
     assert np.isfinite(results[0].logprobs).all()

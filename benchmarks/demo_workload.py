@@ -1,0 +1,34 @@
+"""The demo's model and prompts for engine benchmarks: a fresh built-in tiny model directory
+(the default config's size, random weights) and batches of the built-in task's prompts."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def demo_model_and_feeder(prefix: str, *, prompts: int, group_size: int):
+    """(model directory, tokenizer, feeder): `feeder.batch(i)` gives batch i's bus rows."""
+    from streamrl.config.schema import Config
+    from streamrl.data.dataset import builtin_rows
+    from streamrl.data.feeder import PromptFeeder
+    from streamrl.models.loading import load_tokenizer
+    from streamrl.models.tiny import build_tiny_model_dir
+
+    cfg = Config().model
+    model_dir = build_tiny_model_dir(
+        Path(tempfile.mkdtemp(prefix=prefix)),
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        seed=0,
+    )
+    tokenizer = load_tokenizer(model_dir)
+    feeder = PromptFeeder(
+        builtin_rows(1_000, digits=2, seed=0, split="train"),
+        tokenizer,
+        batch_prompts=prompts,
+        group_size=group_size,
+        seed=0,
+    )
+    return model_dir, tokenizer, feeder

@@ -1,0 +1,141 @@
+"""Where role actors run: Ray actor options from `runtime.roles.<role>`, optionally inside one
+placement group (`runtime.placement_group.strategy`).
+
+Without a placement group each replica is an ordinary actor with its role's resources (CPUs,
+GPUs, custom resources) and, with `node`, hard node affinity. With one, the driver reserves a
+bundle per replica that exists at the start, all at once, with Ray's strategy (PACK, SPREAD,
+STRICT_PACK, STRICT_SPREAD), and schedules each replica into its own bundle:
+
+- a bundle is its replica's resources (`num_cpus`, `num_gpus`, `resources`); a role that reserves
+  nothing gets 0.01 CPU, since Ray refuses empty bundles;
+- a restarted replica goes back into its bundle (same resources, and the node the group chose);
+- a replica added later by `streamrl scale` takes a bundle a drained replica of its role left
+  free, else runs outside the group with its role's ordinary options (a placement group cannot
+  grow); `roles.json` shows which (`placement_group` is None outside);
+- node affinity and a placement group exclude each other (the config refuses both); custom
+  resources in a bundle are how to steer a bundle to a node.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+MIN_BUNDLE_CPUS = 0.01
+
+
+def placement_options(placement) -> dict[str, Any]:
+    """Ray actor options for a role's `runtime.roles.<role>` entry, outside a placement group."""
+    options: dict[str, Any] = {
+        "num_cpus": placement.num_cpus,
+        "num_gpus": placement.num_gpus,
+        "resources": dict(placement.resources),
+    }
+    if placement.node:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            node_id=node_id(placement.node), soft=False
+        )
+    return options
+
+
+def node_id(node: str) -> str:
+    """The id of the live Ray node with this id or IP address."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    for n in alive:
+        if node in (n["NodeID"], n["NodeManagerAddress"]):
+            return n["NodeID"]
+    known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in alive)
+    raise ValueError(f"runtime.roles: no live Ray node {node!r}; nodes: {known}")
+
+
+def bundle(placement) -> dict[str, float]:
+    """A replica's bundle: its resources, at least `MIN_BUNDLE_CPUS` CPU."""
+    out = {"CPU": max(placement.num_cpus, MIN_BUNDLE_CPUS)}
+    if placement.num_gpus:
+        out["GPU"] = placement.num_gpus
+    out.update(placement.resources)
+    return out
+
+
+class BundleSlots:
+    """Which replica holds which bundle; a freed bundle goes to the next replica of its role."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.holder: dict[int, str | None] = dict(enumerate(names))
+        self.role_of = {i: _base_role(name) for i, name in enumerate(names)}
+
+    def assign(self, name: str) -> int | None:
+        """The bundle of `name`: its own, else a free one of its role, else None."""
+        for index, holder in self.holder.items():
+            if holder == name:
+                return index
+        for index, holder in self.holder.items():
+            if holder is None and self.role_of[index] == _base_role(name):
+                self.holder[index] = name
+                return index
+        return None
+
+    def release(self, name: str) -> None:
+        for index, holder in self.holder.items():
+            if holder == name:
+                self.holder[index] = None
+
+
+class RolePlacementGroup:
+    """One placement group for the replicas a run starts with (see the module docstring)."""
+
+    def __init__(self, names: list[str], roles_config, strategy: str, timeout_s: float) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.roles_config = roles_config
+        self.slots = BundleSlots(names)
+        bundles = [bundle(getattr(roles_config, _base_role(n))) for n in names]
+        self.group = placement_group(bundles, strategy=strategy, name="streamrl-roles")
+        try:
+            ray.get(self.group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.group)
+            asked = ", ".join(f"{n}: {b}" for n, b in zip(names, bundles, strict=True))
+            raise RuntimeError(
+                f"the cluster could not reserve a {strategy} placement group within "
+                f"{timeout_s:g}s (runtime.placement_group.timeout_s). Bundles: {asked}. Cluster "
+                f"resources: {ray.cluster_resources()}. Lower the roles' resources, add nodes, "
+                "or pick a looser strategy (PACK or SPREAD)."
+            ) from None
+        log.info("placement group %s ready: %s", strategy, dict(zip(names, bundles, strict=True)))
+
+    def options(self, name: str) -> dict[str, Any]:
+        """Actor options for `name`: its bundle's resources, in its bundle, or (a replica beyond
+        the group) its role's ordinary options."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        placement = getattr(self.roles_config, _base_role(name))
+        index = self.slots.assign(name)
+        if index is None:
+            log.info("%s: no free bundle in the placement group; placed outside it", name)
+            return placement_options(placement)
+        return {
+            "num_cpus": max(placement.num_cpus, MIN_BUNDLE_CPUS),
+            "num_gpus": placement.num_gpus,
+            "resources": dict(placement.resources),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index
+            ),
+        }
+
+    def release(self, name: str) -> None:
+        """`name` was removed (drained): its bundle is free for its role's next replica."""
+        self.slots.release(name)
+
+    def remove(self) -> None:
+        ray.util.remove_placement_group(self.group)
+
+
+def _base_role(name: str) -> str:
+    return name.split("#", 1)[0]

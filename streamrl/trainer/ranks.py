@@ -1,0 +1,322 @@
+"""The trainer role over several data-parallel FSDP2 ranks on its node (`trainer.world_size`).
+
+Rank 0 lives in the trainer role's own process and is what the role, the synchronous loop, the
+hooks and the checkpoint code hold: a `RankedLearner`, which answers to everything a `Learner`
+does. It starts ranks 1..N-1 as worker processes; every rank builds the same model from the same
+directory, shards it with FSDP2 and then follows rank 0 in lockstep:
+
+    rank 0 (role process)                        ranks 1..N-1 (workers)
+    accumulate(rows) ── broadcast command ──────> wait for a command
+                     ── broadcast rows (safetensors blob, no pickle) ──> decode the rows
+    plan_step(rows): the same micro-batch plan on every rank (a pure function of the lengths)
+    FSDPLearner.accumulate(own micro-batches)    FSDPLearner.accumulate(own micro-batches)
+    step() / named_weights() / state: the same command, then the same collectives
+
+Everything between ranks goes through the torch.distributed group (gloo on CPU; on GPUs the
+group also has NCCL for the FSDP collectives, and commands and rows stay on gloo).
+
+Rank 0 also keeps an unsharded copy of the model (`model`), refreshed from the gathered full
+weights whenever `named_weights` runs (after every step, for weight sync). Held-out evaluation,
+`save_pretrained` checkpoints and pi_old log-probs in the synchronous loop read that copy, so
+they need no collectives. Checkpoints hold full (unsharded) model and optimizer state, so a run
+resumes at any world size > 1.
+
+Worker processes exit when rank 0 sends stop, and on their own when rank 0's process dies (the
+group's connections close, and a watchdog sees the parent go).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from streamrl.models.loading import load_causal_lm
+from streamrl.trainer.fsdp import (
+    FSDPLearner,
+    FSDPSettings,
+    data_parallel_mesh,
+    init_distributed,
+    shard_model,
+)
+from streamrl.trainer.microbatch import plan_step
+
+log = logging.getLogger(__name__)
+
+# Row fields the learner reads (see `Learner.accumulate`); the others stay on rank 0.
+LEARNER_FIELDS = (
+    "prompt_ids",
+    "response_ids",
+    "rollout_logprobs",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "versions",
+)
+_ACCUMULATE, _STEP, _WEIGHTS, _STATE, _LOAD, _SET_VERSION, _STOP = range(7)
+OPTIMIZER_FORMAT = "fsdp-full"  # how `optimizer_state_dict` keys its state (by parameter name)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its learner; sent to local worker processes at start."""
+
+    model_dir: str
+    dtype: str
+    learner_kwargs: dict[str, Any]
+    """`Learner` keyword arguments (pad_token_id, lr, settings, ...)."""
+    fsdp: FSDPSettings = field(default_factory=FSDPSettings)
+    device: str = "cpu"
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a micro-batch (padded [B, T] size); None splits each batch of rows into
+    about one micro-batch per rank."""
+    num_threads: int = 1
+    seed: int = 0
+
+
+def encode_rows(rows: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    """The learner's fields of `rows` as one safetensors blob (uint8 tensor)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, row in enumerate(rows):
+        for name in LEARNER_FIELDS:
+            if name in row and row[name] is not None:
+                tensors[f"{i}/{name}"] = torch.from_numpy(np.array(row[name]))
+    tensors["num_rows"] = torch.tensor(len(rows))
+    blob = safetensors.torch.save(tensors)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def decode_rows(blob: torch.Tensor) -> list[dict[str, Any]]:
+    """Inverse of `encode_rows`: scalars come back as floats, sequences as numpy arrays."""
+    tensors = safetensors.torch.load(blob.numpy().tobytes())
+    rows: list[dict[str, Any]] = [{} for _ in range(int(tensors.pop("num_rows")))]
+    for key, value in tensors.items():
+        index, name = key.split("/", 1)
+        rows[int(index)][name] = float(value) if value.dim() == 0 else value.numpy()
+    return rows
+
+
+def micro_batch_plan(
+    rows: Sequence[Mapping[str, Any]], world_size: int, max_tokens: int | None
+) -> list[list[list[int]]]:
+    """`[rank][k]`: the rows each rank trains in its k-th micro-batch (equal counts per rank)."""
+    prompt_lens = [len(r["prompt_ids"]) for r in rows]
+    response_lens = [max(len(r["response_ids"]), 1) for r in rows]
+    if max_tokens is None:  # about one micro-batch per rank
+        longest = max(p + r for p, r in zip(prompt_lens, response_lens, strict=True))
+        total = sum(prompt_lens) + sum(response_lens)
+        budget = max(longest, -(-total // world_size))
+        return plan_step(prompt_lens, response_lens, budget, world_size, padded=False)
+    return plan_step(prompt_lens, response_lens, max_tokens, world_size)
+
+
+def build_rank_learner(spec: RankSpec) -> FSDPLearner:
+    """This rank's sharded model and learner (the process group must be initialised)."""
+    torch.manual_seed(spec.seed)
+    model = load_causal_lm(spec.model_dir, dtype=spec.dtype).to(spec.device)
+    shard_model(model, data_parallel_mesh(spec.device), spec.fsdp)
+    return FSDPLearner(model, **spec.learner_kwargs)
+
+
+def _command(code: int, arg: int = 0) -> None:
+    dist.broadcast(torch.tensor([code, arg], dtype=torch.int64), src=0)
+
+
+def _broadcast_blob(blob: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's blob on every rank (two broadcasts: its size, then its bytes)."""
+    size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    if blob is None:
+        blob = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(blob, src=0)
+    return blob
+
+
+def _train_share(
+    learner: FSDPLearner, rows: list[dict[str, Any]], spec: RankSpec, skipped: float
+) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for k, indices in enumerate(
+        micro_batch_plan(rows, world, spec.max_tokens_per_micro_batch)[rank]
+    ):
+        learner.accumulate([rows[i] for i in indices], num_skipped_tokens=skipped if k == 0 else 0)
+
+
+def _full_state(learner: FSDPLearner) -> tuple[dict[str, Any], dict[str, Any]]:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(learner.model, learner.optimizer, options=options)
+
+
+def _load_full_state(
+    learner: FSDPLearner, model_state: dict[str, Any], optim_state: dict[str, Any]
+) -> None:
+    """Rank 0 passes the full state, the others empty dicts; rank 0 broadcasts it tensor by
+    tensor and each rank keeps its shard. Model and optimizer go in two calls: in one call an
+    empty model state would make the other ranks skip the model's broadcasts."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(learner.model, model_state, options=options)
+    set_optimizer_state_dict(learner.model, learner.optimizer, optim_state, options=options)
+
+
+def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -> None:
+    """Ranks 1..N-1: build the learner, then follow rank 0's commands until told to stop."""
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # rank 0 gone without a stop: do not linger
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    torch.set_num_threads(spec.num_threads)
+    init_distributed(rank, world_size, init_method, device=_backend_device(spec.device))
+    learner = build_rank_learner(spec)
+    while True:
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        code, arg = int(header[0]), int(header[1])
+        if code == _ACCUMULATE:
+            _train_share(learner, decode_rows(_broadcast_blob(None)), spec, 0.0)
+        elif code == _STEP:
+            learner.step()
+        elif code == _WEIGHTS:
+            learner.named_weights()
+        elif code == _STATE:
+            _full_state(learner)
+        elif code == _LOAD:
+            _load_full_state(learner, {}, {})
+        elif code == _SET_VERSION:
+            learner.version = arg
+        elif code == _STOP:
+            break
+    dist.destroy_process_group()
+
+
+def _backend_device(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankedLearner:
+    """Rank 0 of the trainer's FSDP2 ranks, driven exactly like a `Learner`.
+
+    Starting it starts the other ranks (a few seconds: each loads and shards the model); call
+    `close` at the end (the trainer role and the sync loop do)."""
+
+    def __init__(self, spec: RankSpec, world_size: int, *, start_timeout_s: float = 300.0):
+        if world_size < 2:
+            raise ValueError(f"RankedLearner needs world_size >= 2, got {world_size}")
+        self.spec = spec
+        self.world_size = world_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self._workers = [
+            context.Process(
+                target=_worker_main,
+                args=(spec, rank, world_size, init_method),
+                name=f"trainer-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world_size)
+        ]
+        for process in self._workers:
+            process.start()
+        init_distributed(0, world_size, init_method, device=_backend_device(spec.device))
+        self.local = build_rank_learner(spec)
+        # The unsharded copy on rank 0 (CPU): evaluation, save_pretrained, pi_old log-probs.
+        self.model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+        self.settings = self.local.settings
+        self._closed = False
+        log.info("trainer: %d FSDP2 ranks on %s", world_size, spec.device)
+
+    # -- the Learner interface ------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.local.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        _command(_SET_VERSION, value)
+        self.local.version = value
+
+    @property
+    def grad_clip(self) -> float | None:
+        return self.local.grad_clip
+
+    def accumulate(
+        self, rows: Sequence[Mapping[str, Any]], *, num_skipped_tokens: float = 0.0
+    ) -> None:
+        if not rows:  # nothing to run on any rank; the skipped tokens still count
+            self.local._normaliser += num_skipped_tokens
+            return
+        _command(_ACCUMULATE)
+        decoded = decode_rows(_broadcast_blob(encode_rows(rows)))
+        _train_share(self.local, decoded, self.spec, num_skipped_tokens)
+
+    def step(self) -> dict[str, float]:
+        _command(_STEP)
+        return self.local.step()
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (CPU), gathered from the ranks; also refreshes `model`."""
+        _command(_WEIGHTS)
+        full = self.local.named_weights()
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, value in full.items():
+                params[name].copy_(value)
+        return {name: value.clone() for name, value in full.items()}
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's full state, keyed by parameter name (see `OPTIMIZER_FORMAT`)."""
+        _command(_STATE)
+        _, optim_state = _full_state(self.local)
+        return {"format": OPTIMIZER_FORMAT, "state": optim_state}
+
+    def load_weights_and_optimizer(
+        self, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]
+    ) -> None:
+        """Restore a checkpoint on every rank: `weights` as `save_pretrained` wrote them."""
+        if optimizer_state.get("format") != OPTIMIZER_FORMAT:
+            raise ValueError(
+                "this checkpoint's optimizer state was written by a single-process trainer "
+                "(trainer.world_size=1); resume it with trainer.world_size=1"
+            )
+        self.model.load_state_dict(weights, strict=False)  # tied weights are absent
+        _command(_LOAD)
+        _load_full_state(self.local, self.model.state_dict(), optimizer_state["state"])
+
+    def close(self) -> None:
+        """Stop the worker ranks and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        _command(_STOP)
+        for process in self._workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        dist.destroy_process_group()

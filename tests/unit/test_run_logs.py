@@ -1,0 +1,125 @@
+"""Run logs in one place: file naming, the role handler's batching, and the `status` / `logs`
+commands over a run directory laid out as a Ray-mode run leaves it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from streamrl.cli import format_logs, format_status, main
+from streamrl.runtime.logs import (
+    RoleLogHandler,
+    attach_controller_log,
+    detach,
+    log_path,
+    tail,
+)
+
+
+class _Remote:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def remote(self, name, lines):
+        self.calls.append((name, list(lines)))
+
+
+class FakeSink:
+    """Stands in for the sink actor: records `write.remote(name, lines)` calls."""
+
+    def __init__(self):
+        self.calls = []
+        self.write = _Remote(self.calls)
+
+
+def test_replicas_get_their_own_file(tmp_path):
+    assert log_path(tmp_path, "rollout") == tmp_path / "logs" / "rollout.log"
+    assert log_path(tmp_path, "rollout#1") == tmp_path / "logs" / "rollout-1.log"
+
+
+def test_role_handler_ships_formatted_records_in_batches():
+    sink = FakeSink()
+    handler = RoleLogHandler(sink, "reward#2", flush_s=3600)  # flushed by hand below
+    logger = logging.getLogger("streamrl.test_run_logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("first %d", 1)
+        logger.warning("second")
+        logger.debug("not recorded")
+        assert sink.calls == []  # buffered until the next flush
+        handler.flush()
+        handler.flush()  # nothing new: no call
+    finally:
+        logger.removeHandler(handler)
+        handler._closed.set()
+    assert len(sink.calls) == 1
+    name, lines = sink.calls[0]
+    assert name == "reward#2"
+    assert [line.split(": ", 1)[1] for line in lines] == ["first 1", "second"]
+    assert "INFO" in lines[0] and "WARNING" in lines[1] and "streamrl.test_run_logs" in lines[0]
+
+
+def test_controller_log_records_streamrl_info(tmp_path):
+    handler = attach_controller_log(tmp_path)
+    try:
+        logging.getLogger("streamrl.runtime.test").info("resuming from step-000010")
+    finally:
+        detach(handler)
+    assert "resuming from step-000010" in (tmp_path / "logs" / "controller.log").read_text()
+
+
+def _fake_run(run_dir):
+    (run_dir / "logs").mkdir(parents=True)
+    for name, count in (("controller", 3), ("rollout", 30), ("rollout#1", 5)):
+        lines = [f"{name} line {i}" for i in range(count)]
+        log_path(run_dir, name).write_text("".join(line + "\n" for line in lines))
+    roles = {
+        name: {"node": "10.0.0.1", "pid": pid, "healthy": True, "restarts": 0, "log": f"logs/{f}"}
+        for name, pid, f in (("rollout", 11, "rollout.log"), ("rollout#1", 12, "rollout-1.log"))
+    }
+    status = {"updated": time.time(), "running": True, "roles": roles}
+    (run_dir / "roles.json").write_text(json.dumps(status))
+
+
+def test_status_points_to_the_logs(tmp_path):
+    _fake_run(tmp_path)
+    status = format_status(tmp_path)
+    assert "logs/rollout-1.log" in status
+    assert f"{tmp_path}/logs" in status and "events.jsonl" in status
+
+
+def test_logs_command_tails_one_role_or_all(tmp_path, capsys):
+    _fake_run(tmp_path)
+    assert tail(log_path(tmp_path, "rollout"), 2) == ["rollout line 28", "rollout line 29"]
+    assert format_logs(tmp_path, "rollout#1", 1) == "rollout#1 line 4"
+    assert format_logs(tmp_path, "rollout-1", 1) == "rollout#1 line 4"
+    everything = format_logs(tmp_path, None, 2)
+    assert everything.count("==>") == 3 and "controller line 2" in everything
+
+    assert main(["logs", str(tmp_path), "rollout", "-n", "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"rollout line {i}" for i in (27, 28, 29)]
+    assert main(["logs", str(tmp_path), "critic"]) == 2
+    assert "rollout-1" in capsys.readouterr().err
+
+
+def test_logs_of_a_directory_without_logs_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no log files"):
+        format_logs(tmp_path, None, 5)
+
+
+def test_a_failure_goes_to_the_controller_log_with_its_traceback(tmp_path):
+    from streamrl.runtime.logs import log_failure
+
+    handler = attach_controller_log(tmp_path)
+    try:
+        raise ValueError("bad thing")
+    except ValueError:
+        log_failure(handler, "the run failed")
+    finally:
+        detach(handler)
+    text = (tmp_path / "logs" / "controller.log").read_text()
+    assert "ERROR" in text and "the run failed" in text and "ValueError: bad thing" in text
