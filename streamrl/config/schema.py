@@ -372,8 +372,9 @@ class RuntimeConfig(Section):
     """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
     with a fast object store); a TCP weight server in the trainer process that streams
     safetensors buckets to each engine (any network; authenticated with weight_token); or a
-    torch.distributed broadcast (gloo) from the trainer to the engines, with a host copy in the
-    object store for engines that (re)join (trusted networks: the group is not authenticated)."""
+    torch.distributed broadcast (gloo, or NCCL: `weight_collective_backend`) from the trainer to
+    the engines, with a host copy in the object store for engines that (re)join (trusted
+    networks: the group is not authenticated)."""
     weight_bind: str = "127.0.0.1"
     """tcp: address the trainer's weight server listens on; anything but loopback needs
     weight_token (or $STREAMRL_WEIGHT_TOKEN). collective: the rendezvous address engines
@@ -382,6 +383,10 @@ class RuntimeConfig(Section):
     weight_port: int = Field(0, ge=0, le=65535)
     """tcp: port of the weight server (0: any free port). collective: first of 16 rendezvous
     ports taken in turn by successive groups (0: a free port for each)."""
+    weight_collective_backend: Literal["gloo", "nccl"] = "gloo"
+    """collective: torch.distributed backend of the weight group: gloo (CPU tensors, any
+    machine) or nccl (GPU to GPU; the trainer and every engine need a GPU, and an engine that
+    cannot join receives the host copy instead)."""
     weight_token: str | None = None
     """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
     num_cpus: int | None = None

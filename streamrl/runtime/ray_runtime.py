@@ -308,7 +308,12 @@ def weights_for_trainer(ctx: RunContext):
     if rt.weight_channel == "collective":
         from streamrl.weights.collective_channel import CollectivePublisher, GroupDirectory
 
-        return CollectivePublisher(GroupDirectory.create(), rt.weight_bind, rt.weight_port)
+        return CollectivePublisher(
+            GroupDirectory.create(),
+            rt.weight_bind,
+            rt.weight_port,
+            backend=rt.weight_collective_backend,
+        )
     from streamrl.weights.dcs import RayWeights
 
     return RayWeights.create()

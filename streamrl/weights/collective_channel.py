@@ -139,14 +139,22 @@ class CollectivePublisher:
     """The trainer's handle: host copy first, then a broadcast when a group is live."""
 
     def __init__(
-        self, directory: GroupDirectory, bind: str, port: int, timeout_s: float = TIMEOUT_S
+        self,
+        directory: GroupDirectory,
+        bind: str,
+        port: int,
+        timeout_s: float = TIMEOUT_S,
+        backend: str = "gloo",
     ):
         self.directory, self.bind, self.port, self.timeout_s = directory, bind, port, timeout_s
+        self.backend = backend
         self._sender: _GroupSender | None = None
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         if self._sender is None:  # created in the trainer's process, not where the handle is made
-            self._sender = _GroupSender(self.directory, self.bind, self.port, self.timeout_s)
+            self._sender = _GroupSender(
+                self.directory, self.bind, self.port, self.timeout_s, self.backend
+            )
         self._sender.publish(version, named_tensors)
 
     def latest_version(self) -> int:
@@ -169,7 +177,14 @@ class _Epoch:
 class _GroupSender:
     """In the trainer's process: the live group, the one being formed, and when to retry."""
 
-    def __init__(self, directory: GroupDirectory, bind: str, port: int, timeout_s: float):
+    def __init__(
+        self,
+        directory: GroupDirectory,
+        bind: str,
+        port: int,
+        timeout_s: float,
+        backend: str = "gloo",
+    ):
         import ray
 
         from streamrl.weights.tcp import is_loopback
@@ -181,7 +196,7 @@ class _GroupSender:
             self.host = "127.0.0.1"
         else:
             self.host = self.node if bind in ("", "0.0.0.0", "::") else bind
-        self.port, self.timeout_s = port, timeout_s
+        self.port, self.timeout_s, self.backend = port, timeout_s, backend
         self.group: _Epoch | None = None
         self._forming: threading.Thread | None = None
         self._formed: _Epoch | None = None
@@ -261,10 +276,15 @@ class _GroupSender:
                     "init_method": init_method,
                     "world_size": world_size,
                     "ranks": ranks,
+                    "backend": self.backend,
                 },
             )
             sender = CollectiveWeightSender(
-                init_method, world_size, timeout_s=self.timeout_s, store=store
+                init_method,
+                world_size,
+                timeout_s=self.timeout_s,
+                store=store,
+                backend=self.backend,
             )
         except Exception as e:  # noqa: BLE001 - the host copy carries the weights meanwhile
             delay = min(RETRY_S * 2**self._num_failed, RETRY_MAX_S)
@@ -390,6 +410,7 @@ class _Member:
                         record["ranks"][self.id],
                         timeout_s=self.timeout_s,
                         poll_s=0.01,
+                        backend=record["backend"],
                     )
                 except Exception as e:  # noqa: BLE001 - the host copy serves this engine
                     log.warning("could not join weight group %d: %s", wanted, e)
