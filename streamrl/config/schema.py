@@ -132,6 +132,15 @@ class RolloutConfig(Section):
     """Where weight snapshots (safetensors) are written for /update_weights_from_disk; the server
     must read the same path, so set a shared directory when attaching to another machine. None:
     `<run_dir>/sglang`."""
+    sglang_weight_sync: Literal["disk", "distributed"] = "disk"
+    """How new weights reach the SGLang server. `disk`: a safetensors snapshot in
+    `sglang_weights_dir` and /update_weights_from_disk (the server must read that directory).
+    `distributed`: a torch.distributed group of the rollout process (rank 0) and the server's
+    tensor-parallel workers, made on the first update (/init_weights_update_group), then one
+    broadcast per tensor with /update_weights_from_distributed; no files. The server must reach
+    the rollout process on a free TCP port (its address on the route to the server, 127.0.0.1
+    for a launched server); the backend is NCCL when the rollout process has a GPU (the tensors
+    go GPU to GPU), gloo otherwise (what the tests use, on CPU)."""
 
 
 class RewardConfig(Section):

@@ -16,11 +16,19 @@ go in and come out; nothing is tokenized or detokenized on this side.
   each response reports the `weight_version` it was generated under; every token of a request
   attempt is stamped with it. Before this engine's first update (an attached server may report
   any label) tokens carry the engine's own version.
-- **Weights.** `load_weights` writes the named tensors as one safetensors file into a snapshot
-  directory and calls `/update_weights_from_disk` with `flush_cache`, so cached attention of the
-  old weights is dropped. No pickle is involved. SGLang's `/update_weights_from_tensor` is not
-  used: its payload is pickled by torch's ForkingPickler (CUDA IPC or shared-memory handles,
-  valid only on the server's own machine).
+- **Weights** (`weight_sync`, `rollout.sglang_weight_sync`), either way with `flush_cache`, so
+  cached attention of the old weights is dropped, and without pickle:
+  - `disk` (default): `load_weights` writes the named tensors as one safetensors file into a
+    snapshot directory and calls `/update_weights_from_disk`. The server must read that path.
+  - `distributed`: the engine's process and the server's workers form a torch.distributed group
+    of their own (not the default group; this process is rank 0 and serves its TCP store on a
+    free port, the server's tensor-parallel ranks join as ranks 1..tp). The first update calls
+    `/init_weights_update_group` while joining as rank 0; every update then posts the names,
+    dtypes and shapes to `/update_weights_from_distributed` while broadcasting each tensor from
+    rank 0 in that order. NCCL when this process has a GPU, gloo otherwise (the tests use gloo
+    on CPU). The server must reach this process's address; no file is written.
+  SGLang's `/update_weights_from_tensor` is not used: its payload is pickled by torch's
+  ForkingPickler (CUDA IPC or shared-memory handles, valid only on the server's own machine).
 - **In-flight updates.** While requests run, the engine asks `weight_poll` every `poll_s`. On a
   new version it pauses the server with `/pause_generation` (mode `abort`: every running request
   returns what it has so far, marked aborted), updates the weights, and `/continue_generation`.
@@ -36,19 +44,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import logging
-import os
 import queue
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +62,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
+from streamrl.rollout.sglang_client import (
+    BackgroundCall,
+    SglangClient,
+    SglangError,
+    WeightGroup,
+    address_toward,
+    cuda_available,
+    launch_server,
+    stop_process_group,
+)
 
 if TYPE_CHECKING:
     from streamrl.runtime.context import RunContext
@@ -70,15 +82,6 @@ log = logging.getLogger(__name__)
 
 # One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type.
 _Output = tuple[list[int], list[float], int, str]
-
-
-class SglangError(RuntimeError):
-    """The SGLang server could not be reached, failed to start, or answered with an error
-    (`status`: the HTTP status, when there was one)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -106,68 +109,20 @@ class SglangSettings:
     server must be able to read it. None: a temporary directory, deleted on close."""
     poll_s: float = 0.02
     """How often `weight_poll` is asked while requests run."""
-
-
-class SglangClient:
-    """JSON over HTTP to one SGLang server (stdlib only), with errors that say what went wrong."""
-
-    def __init__(self, base_url: str, timeout_s: float):
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def get(self, path: str, *, timeout_s: float | None = None) -> Any:
-        return self._call("GET", path, None, timeout_s)
-
-    def post(self, path: str, payload: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
-        return self._call("POST", path, payload, timeout_s)
-
-    def healthy(self, timeout_s: float = 5.0) -> bool:
-        """True when /health answers 200; False when the server is not (yet) there."""
-        try:
-            self.get("/health", timeout_s=timeout_s)
-        except SglangError:
-            return False
-        return True
-
-    def _call(self, method: str, path: str, payload: Any, timeout_s: float | None) -> Any:
-        url = self.base_url + path
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(
-            url, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
-                body = response.read()
-        except urllib.error.HTTPError as e:
-            raise SglangError(
-                f"SGLang server {self.base_url}: {method} {path} failed with HTTP {e.code}: "
-                f"{_error_message(e.read())}",
-                status=e.code,
-            ) from e
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, ConnectionRefusedError | socket.gaierror):
-                raise SglangError(
-                    f"cannot reach the SGLang server at {self.base_url} ({method} {path}: "
-                    f"{reason}); is it running? Check rollout.sglang_url, or leave it unset to "
-                    "launch a server"
-                ) from e
-            raise SglangError(
-                f"the SGLang server at {self.base_url} did not answer {method} {path}: {reason} "
-                f"(did it crash? Its time limit is rollout.sglang_request_timeout_s, "
-                f"{timeout_s or self.timeout_s} s)"
-            ) from e
-        if not body:
-            return None
-        try:
-            result = json.loads(body)
-        except ValueError:
-            return body.decode(errors="replace")  # a few endpoints answer in plain text
-        if isinstance(result, dict) and result.get("success") is False:
-            raise SglangError(
-                f"SGLang server {self.base_url}: {method} {path} failed: {result.get('message')}"
-            )
-        return result
+    weight_sync: str = "disk"
+    """How weights reach the server: "disk" (safetensors snapshot + /update_weights_from_disk) or
+    "distributed" (torch.distributed broadcast + /update_weights_from_distributed)."""
+    weight_sync_backend: str | None = None
+    """Backend of the distributed weight group: "nccl" or "gloo"; None: nccl when this process
+    has CUDA, else gloo."""
+    weight_sync_address: str | None = None
+    """Address of this process as the server's workers reach it (the group's master address);
+    None: the local address of the route to the server (127.0.0.1 for a local server)."""
+    weight_sync_port: int = 0
+    """Port of the group's TCP store, served by this process; 0 picks a free one."""
+    tp_size: int | None = None
+    """The server's tensor-parallel size (the group has 1 + tp_size ranks); None asks the server
+    (/server_info, /get_server_info), else reads --tp/--tp-size of `launch_args`, else 1."""
 
 
 @dataclass
@@ -201,11 +156,16 @@ class SglangEngine:
         self._version = 0
         self._epoch = 0  # bumped by every in-flight update
         self._snapshot: Path | None = None
+        if settings.weight_sync not in ("disk", "distributed"):
+            raise ValueError(
+                f"weight_sync must be 'disk' or 'distributed', got {settings.weight_sync!r}"
+            )
+        self._group: WeightGroup | None = None  # the distributed weight group, once made
         self.num_weight_updates = 0
         self.num_continuations = 0
         self.server: subprocess.Popen | None = None
         if settings.url is None:
-            self.server, url = _launch_server(Path(model_dir), settings, self.weights_dir)
+            self.server, url = launch_server(Path(model_dir), settings, self.weights_dir)
             atexit.register(self.close)
         else:
             url = settings.url
@@ -225,8 +185,17 @@ class SglangEngine:
         return self.client.base_url
 
     def load_weights(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        """Write the tensors as a safetensors snapshot and have the server load it (flushing its
-        cache). Between batches; during a batch, `generate` pauses the server first."""
+        """Have the server load the tensors (flushing its cache): through a safetensors snapshot
+        or a broadcast, per `settings.weight_sync`. Between batches; during a batch, `generate`
+        pauses the server first."""
+        if self.settings.weight_sync == "distributed":
+            self._load_weights_distributed(version, named_tensors)
+        else:
+            self._load_weights_from_disk(version, named_tensors)
+        self._version = version
+        self.num_weight_updates += 1
+
+    def _load_weights_from_disk(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         from safetensors.torch import save_file
 
         snapshot = self.weights_dir / f"weights-v{version}"
@@ -240,8 +209,73 @@ class SglangEngine:
         if self._snapshot is not None and self._snapshot != snapshot:
             shutil.rmtree(self._snapshot, ignore_errors=True)
         self._snapshot = snapshot
-        self._version = version
-        self.num_weight_updates += 1
+
+    def _load_weights_distributed(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        """Post names, dtypes and shapes to /update_weights_from_distributed (on a thread) while
+        broadcasting the tensors, in that order, from rank 0 of the weight group."""
+        group = self._group or self._init_weight_group()
+        tensors = _as_tensors(named_tensors)
+        payload = {
+            "names": list(tensors),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+            "group_name": group.name,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        call = BackgroundCall(self.client.post, "/update_weights_from_distributed", payload)
+        try:
+            works = [group.broadcast(t.to(group.device)) for t in tensors.values()]
+            group.wait(works, call, f"weights of version {version}")
+        except BaseException:
+            self._group = None  # a broadcast may be half done: make a new group next time
+            raise
+        call.result()
+
+    def _init_weight_group(self) -> WeightGroup:
+        """Make the weight group: serve its store, have the server join (/init_weights_update_
+        group, on a thread) and join it as rank 0."""
+        s = self.settings
+        backend = s.weight_sync_backend or ("nccl" if cuda_available() else "gloo")
+        tp_size = s.tp_size or self._server_tp_size()
+        address = s.weight_sync_address or address_toward(self.url)
+        group = WeightGroup.serve(
+            f"streamrl-{uuid.uuid4().hex[:12]}",
+            backend,
+            address,
+            s.weight_sync_port,
+            1 + tp_size,
+            s.request_timeout_s,
+        )
+        payload = {
+            "master_address": address,
+            "master_port": group.port,
+            "rank_offset": 1,
+            "world_size": 1 + tp_size,
+            "group_name": group.name,
+            "backend": backend,
+        }
+        call = BackgroundCall(self.client.post, "/init_weights_update_group", payload)
+        group.join(call)
+        call.result()
+        self._group = group
+        return group
+
+    def _server_tp_size(self) -> int:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = self.client.get(path)
+            except SglangError as e:
+                if e.status != 404:
+                    raise
+                continue
+            if isinstance(info, dict) and isinstance(info.get("tp_size"), int):
+                return info["tp_size"]
+        args = list(self.settings.launch_args)
+        for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+            if flag in args[:-1]:
+                return int(args[args.index(flag) + 1])
+        return 1
 
     def generate(
         self,
@@ -294,8 +328,17 @@ class SglangEngine:
         if self._snapshot is not None:
             shutil.rmtree(self._snapshot, ignore_errors=True)
             self._snapshot = None
+        if self._group is not None:
+            group, self._group = self._group, None
+            if self.server is None or self.server.poll() is None:
+                try:  # best effort: the server drops its end of the group
+                    self.client.post(
+                        "/destroy_weights_update_group", {"group_name": group.name}, timeout_s=10.0
+                    )
+                except SglangError as e:
+                    log.warning("could not destroy SGLang's weight update group: %s", e)
         if self.server is not None and self.server.poll() is None:
-            _stop_process_group(self.server)
+            stop_process_group(self.server)
         self.server = None
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
@@ -433,6 +476,7 @@ def make_sglang_engine(ctx: RunContext) -> SglangEngine:
         startup_timeout_s=r.sglang_startup_timeout_s,
         request_timeout_s=r.sglang_request_timeout_s,
         weights_dir=r.sglang_weights_dir or Path(ctx.run_dir) / "sglang",
+        weight_sync=r.sglang_weight_sync,
     )
     eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
     return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
@@ -466,23 +510,6 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
     return token_ids, logprobs, version, reason
 
 
-def _error_message(body: bytes) -> str:
-    """SGLang's error text from a response body (JSON `error.message`, `message`, or raw)."""
-    text = body.decode(errors="replace")
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:1000]
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("error", "message", "detail"):
-            if key in data:
-                return str(data[key])
-    return text[:1000]
-
-
 def _as_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:
     """CPU, contiguous torch tensors that share no memory (safetensors refuses shared ones, as
     in tied embeddings handed over twice); numpy arrays (read-only from Ray) are copied."""
@@ -499,75 +526,3 @@ def _as_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:
         seen.add(tensor.untyped_storage().data_ptr())
         out[name] = tensor
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_server(
-    model_dir: Path, settings: SglangSettings, log_dir: Path
-) -> tuple[subprocess.Popen, str]:
-    """Start a server on a free local port and wait until /health answers; return it and its URL."""
-    port = _free_port()
-    cmd = [
-        *settings.launch_cmd,
-        "--model-path",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        settings.dtype,
-        "--max-running-requests",
-        str(settings.max_running_requests),
-    ]
-    if settings.deterministic:
-        cmd.append("--enable-deterministic-inference")
-    cmd += list(settings.launch_args)
-    log_path = log_dir / "sglang_server.log"
-    with open(log_path, "ab") as log:
-        # Its own process group, so that close() stops SGLang's worker processes too.
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    with open(log_path, "a") as log:  # who to stop by hand if this process dies unannounced
-        print(f"streamrl: started process group {server.pid}: {' '.join(cmd)}", file=log)
-    url = f"http://127.0.0.1:{port}"
-    client = SglangClient(url, timeout_s=5.0)
-    deadline = time.monotonic() + settings.startup_timeout_s
-    while not client.healthy():
-        if server.poll() is not None:
-            raise SglangError(
-                f"the SGLang server exited with code {server.returncode} before answering "
-                f"/health; command: {' '.join(cmd)}; last lines of {log_path}:\n{_tail(log_path)}"
-            )
-        if time.monotonic() > deadline:
-            _stop_process_group(server)
-            raise SglangError(
-                f"the SGLang server did not answer /health within {settings.startup_timeout_s} s "
-                "(raise rollout.sglang_startup_timeout_s if it is still loading); last lines of "
-                f"{log_path}:\n{_tail(log_path)}"
-            )
-        time.sleep(0.5)
-    return server, url
-
-
-def _stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the process group `process` leads, then SIGKILL it if it outlives `grace_s`."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # the leader, if still there, and any stragglers
-    except ProcessLookupError:
-        pass  # the whole group has exited: nothing left to stop
-    process.wait()
-
-
-def _tail(path: Path, num_lines: int = 30) -> str:
-    lines = path.read_text(errors="replace").splitlines()
-    return "\n".join(lines[-num_lines:])

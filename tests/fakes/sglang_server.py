@@ -14,6 +14,10 @@ What it implements, following SGLang's native API (field names as in SGLang's `i
 | POST /continue_generation | resumes |
 | GET/POST /flush_cache | counted; 400 while requests run (as SGLang) |
 | POST /update_weights_from_disk | loads every *.safetensors in `model_path`; `weight_version`, `flush_cache`, `abort_all_requests`; when not paused, waits for running requests to finish first (SGLang takes a writer lock) |
+| GET /server_info, /get_server_info | `tp_size` 1 (the fake is one rank), `dp_size`, `model_path`, `weight_version` |
+| POST /init_weights_update_group | `master_address`, `master_port`, `rank_offset`, `world_size`, `group_name`, `backend`: joins a torch.distributed group as rank `rank_offset` the way SGLang's model runner does (tcp:// rendezvous, `PrefixStore(group_name)`, torch's `_new_process_group_helper`); gloo works on CPU |
+| POST /update_weights_from_distributed | `names`, `dtypes`, `shapes`, `group_name`, `flush_cache`, `weight_version`: receives one broadcast from rank 0 per tensor, in order, into new tensors, then loads them like a disk update |
+| POST /destroy_weights_update_group | `group_name`: forgets the group |
 
 Generation: a scheduler thread steps every running request by one token per step, with the builtin
 engine sampling that one token for the sequence so far (prompt plus tokens so far) under the
@@ -99,6 +103,7 @@ class FakeSglangServer:
         self._stopped = False
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()  # held by a step and by a weight update
+        self._groups: dict[str, Any] = {}  # weight update groups by name
         self.httpd = _HttpServer((host, port), _handler_for(self))
         self._threads = [
             threading.Thread(target=self.httpd.serve_forever, daemon=True),
@@ -276,6 +281,72 @@ class FakeSglangServer:
         tensors: dict[str, Any] = {}
         for file in files:
             tensors.update(load_file(str(file)))
+        return self._apply_weights(body, tensors)
+
+    def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
+
+        name = str(body.get("group_name", "weight_update_group"))
+        if name in self._groups:
+            return {"success": False, "message": f"group {name} already exists"}
+        rank, world_size = int(body["rank_offset"]), int(body["world_size"])  # tp rank 0
+        timeout = timedelta(seconds=60)
+        url = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        group, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(str(body.get("backend", "nccl"))),
+            PrefixStore(name, store),
+            group_name=name,
+            timeout=timeout,
+        )
+        _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+        self._groups[name] = group
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        name = str(body.get("group_name", "weight_update_group"))
+        if name not in self._groups:
+            return {"success": False, "message": f"group {name} not initialized"}
+        with self._cond:  # as SGLang's writer lock: running requests finish unless paused
+            self._cond.wait_for(lambda: self._paused or not self._active)
+        received, handles = {}, []
+        for weight, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            handles.append(dist.broadcast(tensor, src=0, group=self._groups[name], async_op=True))
+            received[weight] = tensor
+        for handle in handles:
+            handle.wait()
+        self.stats["broadcasts"] = self.stats.get("broadcasts", 0) + len(handles)
+        return self._apply_weights(body, received)
+
+    def destroy_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._groups.pop(str(body.get("group_name", "weight_update_group")), None)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def server_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model_path": self.model_dir,
+            "tp_size": 1,
+            "dp_size": 1,
+            "weight_version": self.weight_version,
+        }
+
+    def _apply_weights(self, body: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
         known = {name for name, _ in self.engine.model.named_parameters()}
         unknown = sorted(set(tensors) - known)
         if unknown:
@@ -329,6 +400,11 @@ ROUTES = {
     ("GET", "/flush_cache"): "flush_cache",
     ("POST", "/flush_cache"): "flush_cache",
     ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
+    ("POST", "/init_weights_update_group"): "init_weights_update_group",
+    ("POST", "/update_weights_from_distributed"): "update_weights_from_distributed",
+    ("POST", "/destroy_weights_update_group"): "destroy_weights_update_group",
+    ("GET", "/server_info"): "server_info",
+    ("GET", "/get_server_info"): "server_info",
 }
 
 

@@ -1,7 +1,8 @@
 """The SGLang engine against a stand-in server (`tests/fakes/sglang_server.py`) that speaks
 SGLang's HTTP API and samples with the builtin engine: tokens and log-probs arrive intact and
 match the builtin engine's and the trainer's on identical weights, seeds follow the request id,
-weight updates go through safetensors snapshots, an in-flight update pauses the server and
+weight updates go through safetensors snapshots or a torch.distributed broadcast (gloo here),
+with the same result, an in-flight update pauses the server and
 resumes requests as continuations stamped with the new version and drawn from the new weights,
 and unreachable or failing servers give clear errors. The engine launches a server, or attaches.
 
@@ -28,11 +29,11 @@ from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.rollout.builtin_engine import BuiltinEngine
+from streamrl.rollout.sglang_client import free_port
 from streamrl.rollout.sglang_engine import (
     SglangEngine,
     SglangError,
     SglangSettings,
-    _free_port,
     request_seed,
 )
 from streamrl.runtime.components import make_engine
@@ -185,13 +186,51 @@ def test_load_weights_between_batches(server, model_dir, prompts, tmp_path) -> N
     assert server.stats["weight_updates"] == 2 and server.stats["cache_flushes"] == 2
 
 
+def test_load_weights_through_distributed_matches_disk(
+    server, model_dir, prompts, tmp_path
+) -> None:
+    model = load_causal_lm(model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    new_weights = perturbed(model, seed=0)
+    via_disk = attach(server, tmp_path)
+    via_disk.load_weights(5, new_weights)
+    disk_result = via_disk.generate(requests(prompts, "b", "c"), params)
+    via_disk.load_weights(6, perturbed(model, seed=7))  # back to other weights in between
+    engine = attach(server, tmp_path, weight_sync="distributed", weight_sync_backend="gloo")
+    engine.load_weights(7, new_weights)
+    assert server.stats["broadcasts"] == len(new_weights)
+    results = engine.generate(requests(prompts, "b", "c"), params)
+    assert engine.version == 7 and server.weight_version == "7"
+    assert [r.versions for r in results] == [[7] * 6] * 2
+    for r, d in zip(results, disk_result, strict=True):
+        assert r.response_ids == d.response_ids
+        assert r.logprobs == pytest.approx(d.logprobs, abs=LOGPROB_TOLERANCE)
+    model.load_state_dict(new_weights, strict=False)
+    ref = builtin_reference(model, prompts["b"], request_seed(1, "b"), params)
+    assert results[0].response_ids == ref.response_ids
+    # The group is made once and reused; no snapshot is written; close drops the group.
+    engine.load_weights(8, {"model.norm.weight": new_weights["model.norm.weight"] * 2})
+    assert len(server._groups) == 1 and server.weight_version == "8"
+    assert list(engine.weights_dir.iterdir()) == []
+    engine.close()
+    assert server._groups == {}
+
+
+def test_a_failed_distributed_update_is_reported(server, tmp_path) -> None:
+    engine = attach(server, tmp_path, weight_sync="distributed", weight_sync_backend="gloo")
+    with pytest.raises(SglangError, match="update_weights_from_distributed failed.*unknown"):
+        engine.load_weights(1, {"no.such.weight": torch.zeros(2)})
+    assert engine.version == 0
+
+
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
 def test_inflight_update_resumes_requests_under_the_new_weights(
-    model_dir, prompts, tmp_path
+    model_dir, prompts, tmp_path, weight_sync
 ) -> None:
     # Every request stops after 3 tokens until the weights change: the update lands mid-way.
     server = FakeSglangServer(model_dir, stop_on_model_eos=False, hold_at_tokens=3).start()
     try:
-        engine = attach(server, tmp_path, poll_s=0.005)
+        engine = attach(server, tmp_path, poll_s=0.005, weight_sync=weight_sync)
         model = load_causal_lm(model_dir)
         new_weights = perturbed(model, seed=1)
         served = False
@@ -262,7 +301,7 @@ def test_an_abort_the_engine_did_not_ask_for_is_an_error(model_dir, prompts, tmp
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SglangError, match="cannot reach the SGLang server at .*rollout.sglang_url"):
         SglangEngine(
             "unused", eos_token_id=NO_EOS, settings=SglangSettings(url=url, weights_dir=tmp_path)
@@ -311,6 +350,7 @@ def test_config_selects_and_configures_the_engine(server, model_dir, tmp_path) -
             f"rollout.sglang_url={server.url}",
             "rollout.max_batch_size=3",
             "rollout.sglang_launch_args=[--tp, '2']",
+            "rollout.sglang_weight_sync=distributed",
         ]
     )
     ctx = RunContext(cfg, model_dir, tmp_path / "run", [], [])
@@ -318,6 +358,7 @@ def test_config_selects_and_configures_the_engine(server, model_dir, tmp_path) -
     assert isinstance(engine, SglangEngine) and engine.url == server.url
     assert engine.settings.launch_args == ("--tp", "2")
     assert engine.settings.max_running_requests == 3
+    assert engine.settings.weight_sync == "distributed"
     assert engine.settings.dtype == "float32"  # auto: the trainer's model.dtype
     assert engine.weights_dir.parent == (tmp_path / "run" / "sglang").resolve()
     assert engine.eos_token_id == build_tokenizer().eos_token_id
