@@ -529,7 +529,7 @@ def test_empty_claim_waits_up_to_wait_s(bus: Bus) -> None:
     start = time.monotonic()
     assert bus.claim("trainer", ["reward"], 1, wait_s=0.3) is None
     elapsed = time.monotonic() - start
-    assert 0.29 <= elapsed < 1.5
+    assert 0.29 <= elapsed < 3.0  # generous: a loaded CI machine stretches wall time
 
 
 def test_waiting_claim_returns_once_the_field_is_written(bus: Bus) -> None:
@@ -540,7 +540,7 @@ def test_waiting_claim_returns_once_the_field_is_written(bus: Bus) -> None:
     elapsed = time.monotonic() - start
     join()
     assert ids(lease) == ["g/1"] and lease.rows[0]["reward"] == 1.0
-    assert 0.15 <= elapsed < 2.0
+    assert 0.15 <= elapsed < 4.5  # woken by the change, not by wait_s running out
 
 
 def test_waiting_claim_returns_once_rows_are_added(bus: Bus) -> None:
@@ -550,7 +550,7 @@ def test_waiting_claim_returns_once_rows_are_added(bus: Bus) -> None:
     elapsed = time.monotonic() - start
     join()
     assert ids(lease) == ["g/0"] and lease.rows[0]["prompt_ids"] == [7]
-    assert 0.15 <= elapsed < 2.0
+    assert 0.15 <= elapsed < 4.5  # woken by the change, not by wait_s running out
 
 
 def test_unrelated_write_does_not_end_a_waiting_claim(bus: Bus) -> None:
@@ -565,7 +565,8 @@ def test_unrelated_write_does_not_end_a_waiting_claim(bus: Bus) -> None:
     join()
     assert ids(lease) == ["g/0"] and lease.rows[0]["reward"] == 1.0
     assert "advantages" not in lease.rows[0]
-    assert 0.35 <= elapsed < 2.0  # not returned (empty or unusable) at the first write
+    # Not returned (empty or unusable) at the first write; woken by the second, before wait_s.
+    assert 0.35 <= elapsed < 4.5
 
 
 # -- drop, stats, checkpoints, close ---------------------------------------------------------
@@ -693,16 +694,15 @@ def test_ray_attached_client_close_only_detaches(ray_bus: Any) -> None:
     assert ray_bus.stats()["rows_live"] == 0
 
 
-def test_local_bus_handles_many_rows_quickly() -> None:
+def test_local_bus_serves_claims_among_many_live_rows() -> None:
+    # How fast is measured by benchmarks/bus.py, not asserted here.
     bus = LocalBus()
     bus.register_consumer("trainer")
     bus.register_consumer("reward")
     for g in range(2_500):
         bus.add_rows(group_rows(f"g{g}", 4, fields={"prompt_ids": [1, 2, 3]}))
-    start = time.perf_counter()
     for _ in range(100):
         bus.ack(bus.claim("trainer", ["prompt_ids"], 64).lease_id)
-    assert time.perf_counter() - start < 2.0
     assert bus.stats()["acked"]["trainer"] == 6_400
 
 
@@ -822,7 +822,7 @@ def test_sharded_long_poll_wakes_on_any_shard(sharded: Any) -> None:
     lease = sharded.claim("trainer", ["reward"], 10, wait_s=5.0)
     elapsed = time.monotonic() - start
     join()
-    assert ids(lease) == ["g4/0"] and 0.25 <= elapsed < 2.0
+    assert ids(lease) == ["g4/0"] and 0.25 <= elapsed < 4.5  # woken before wait_s ran out
 
 
 def test_ray_small_values_travel_inline_and_survive_the_writer(ray_bus: Any) -> None:
