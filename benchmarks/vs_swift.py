@@ -86,7 +86,9 @@ from vs_trl import (
     Figures,
     Workload,
     add_workload_args,
+    load_average,
     num_parameters,
+    print_table,
     run_streamrl,
     workloads,
 )
@@ -293,8 +295,9 @@ def main() -> None:
     from streamrl.config import load_config
     from streamrl.trainer.sft import ensure_policy_dir
 
-    print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {_load()}", flush=True)
-    table: list[tuple[Workload, int, dict[str, Figures], list[float]]] = []
+    print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {load_average()}", flush=True)
+    table: list[tuple[Workload, int, dict[str, Figures]]] = []
+    own_step_s: dict[str, list[float]] = {}  # ms-swift's own step_time per workload
     with tempfile.TemporaryDirectory() as tmp:
         if a.work_dir is not None:  # kept: ms-swift's logs, dataset, spec and saved model
             tmp = str(a.work_dir.resolve())
@@ -327,46 +330,19 @@ def main() -> None:
                     print(
                         f"[{work.name}] round {round_ + 1} {system}: {median_s:.2f} s/step{extra}, "
                         f"acc {run['acc_before']:.3f} -> {run['acc_after']:.3f}, "
-                        f"run {time.perf_counter() - started:.0f} s, {_load()}",
+                        f"run {time.perf_counter() - started:.0f} s, {load_average()}",
                         flush=True,
                     )
-            table.append((work, params, figures, swift_own_step_s))
-    print_table(table)
+            table.append((work, params, figures))
+            own_step_s[work.name] = swift_own_step_s
 
-
-def _load() -> str:
-    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def print_table(table: list[tuple[Workload, int, dict[str, Figures], list[float]]]) -> None:
-    print(
-        f"\n{'model':6} {'params':>6} {'compl/step':>10} {'steps':>5} {'system':13}"
-        f" {'s/step':>7} {'tokens/s':>8} {'zero-adv':>8} {'acc before':>10} {'acc after':>9}"
-    )
-    ratios: list[str] = []
-    for work, params, figures, swift_own_step_s in table:
-        for system, f in figures.items():
-            print(
-                f"{work.name:6} {params / 1e6:5.1f}M {work.batch_prompts * work.group_size:10d}"
-                f" {work.steps:5d} {system:13} {f.median_step_s:7.2f}"
-                f" {sum(f.tokens) / sum(f.step_s):8.0f} {statistics.mean(f.zero_adv):8.2f}"
-                f" {statistics.mean(f.acc_before):10.3f} {statistics.mean(f.acc_after):9.3f}"
-            )
-        if "swift" not in figures:
-            continue
+    def note(work: Workload) -> None:
         print(
             f"{work.name}: ms-swift's own step_time (training_step only: no optimizer step) "
-            f"= {statistics.median(swift_own_step_s):.2f} s"
+            f"= {statistics.median(own_step_s[work.name]):.2f} s"
         )
-        for system in ("sync", "async-noskip"):
-            if system in figures:
-                ratio = figures["swift"].median_step_s / figures[system].median_step_s
-                print(f"{work.name}: ms-swift time / streamrl {system} time = {ratio:.2f}")
-        if "async" in figures:
-            ratio = figures["swift"].median_step_s / figures["async"].median_step_s
-            ratios.append(f"{ratio:.2f} ({work.name})")
-    if ratios:
-        print(f"ms-swift time / streamrl async time = {', '.join(ratios)}")
+
+    print_table(table, "swift", "ms-swift", note)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -415,7 +416,7 @@ def main() -> None:
     from streamrl.config import load_config
     from streamrl.trainer.sft import ensure_policy_dir
 
-    print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {_load()}", flush=True)
+    print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {load_average()}", flush=True)
     table: list[tuple[Workload, int, dict[str, Figures]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for work in workloads(a):
@@ -441,18 +442,25 @@ def main() -> None:
                     median_s = statistics.median(run["step_s"][a.warmup_steps :])
                     print(
                         f"[{work.name}] round {round_ + 1} {system}: {median_s:.2f} s/step, "
-                        f"run {time.perf_counter() - started:.0f} s, {_load()}",
+                        f"run {time.perf_counter() - started:.0f} s, {load_average()}",
                         flush=True,
                     )
             table.append((work, params, figures))
     print_table(table)
 
 
-def _load() -> str:
+def load_average() -> str:
     return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def print_table(table: list[tuple[Workload, int, dict[str, Figures]]]) -> None:
+def print_table(
+    table: list[tuple[Workload, int, dict[str, Figures]]],
+    baseline: str = "trl",
+    label: str = "TRL",
+    note: Callable[[Workload], None] | None = None,
+) -> None:
+    """The figures of every system per workload, then `label`'s time over streamrl's (the
+    ratio against async last). `note(work)` may print more about the baseline's run."""
     print(
         f"\n{'model':6} {'params':>6} {'compl/step':>10} {'steps':>5} {'system':13}"
         f" {'s/step':>7} {'tokens/s':>8} {'zero-adv':>8} {'acc before':>10} {'acc after':>9}"
@@ -466,17 +474,19 @@ def print_table(table: list[tuple[Workload, int, dict[str, Figures]]]) -> None:
                 f" {sum(f.tokens) / sum(f.step_s):8.0f} {statistics.mean(f.zero_adv):8.2f}"
                 f" {statistics.mean(f.acc_before):10.3f} {statistics.mean(f.acc_after):9.3f}"
             )
-        if "trl" not in figures:
+        if baseline not in figures:
             continue
+        if note is not None:
+            note(work)
         for system in ("sync", "async-noskip"):
             if system in figures:
-                ratio = figures["trl"].median_step_s / figures[system].median_step_s
-                print(f"{work.name}: TRL time / streamrl {system} time = {ratio:.2f}")
+                ratio = figures[baseline].median_step_s / figures[system].median_step_s
+                print(f"{work.name}: {label} time / streamrl {system} time = {ratio:.2f}")
         if "async" in figures:
-            ratio = figures["trl"].median_step_s / figures["async"].median_step_s
+            ratio = figures[baseline].median_step_s / figures["async"].median_step_s
             ratios.append(f"{ratio:.2f} ({work.name})")
     if ratios:
-        print(f"TRL time / streamrl async time = {', '.join(ratios)}")
+        print(f"{label} time / streamrl async time = {', '.join(ratios)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from streamrl.models.tiny import build_tiny_model_dir
 from tests.distributed import free_port, gloo_group
 from tests.unit.test_grpo import (
     grads,
@@ -24,12 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 
 ROWS = 9
 SPLITS = {0: [(0, 1), (1, 4)], 1: [(4, 9)]}  # rank -> its micro-batches (uneven)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_tiny_model_dir(out, hidden_size=32, num_layers=1, num_heads=2, seed=0)
 
 
 def rank_main(rank: int, path: str, port: int, loss_agg: str, out_dir: str) -> None:

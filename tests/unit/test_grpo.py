@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl.models.loading import load_causal_lm
-from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.algos.advantages import grpo_advantages
 from streamrl.trainer.algos.losses import AGGREGATIONS
 from streamrl.trainer.algos.losses import aggregation_weights as token_weights
@@ -164,12 +163,6 @@ def test_token_weights_and_normaliser() -> None:
 
 PAD_ID = 0
 CONSTANT = 6.0  # the constant normaliser per sequence (Dr. GRPO's max length)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_tiny_model_dir(out, hidden_size=32, num_layers=1, num_heads=2, seed=0)
 
 
 def make_learner(model_dir: Path, loss_agg: str) -> Learner:

@@ -24,12 +24,6 @@ def tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_tiny_model_dir(out, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-
-
 # -- tokenizer ----------------------------------------------------------------------------------
 
 

@@ -24,9 +24,7 @@ import torch
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.config.loader import load_config
-from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm
-from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.rollout.sglang_client import free_port
@@ -58,19 +56,6 @@ FakeSglangServer = _load_fake().FakeSglangServer
 PAD_ID = 0
 NO_EOS = -1  # never sampled: every response runs to max_new_tokens
 LOGPROB_TOLERANCE = 1e-4  # same fp32 kernels on both sides; differences are batch-shape rounding
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_tiny_model_dir(out, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> dict[str, list[int]]:
-    tokenizer = build_tokenizer()
-    texts = {"a": "37+85=", "b": "1+2=", "c": "123+4567=", "d": "9+9="}
-    return {rid: encode_prompt(tokenizer, text) for rid, text in texts.items()}
 
 
 @pytest.fixture
