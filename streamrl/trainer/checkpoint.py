@@ -44,7 +44,7 @@ def save_checkpoint(
             shutil.copy(policy_dir / name, tmp / "model" / name)
     torch.save(
         {
-            "optimizer": learner.optimizer_state_dict(),
+            "optimizer": learner.optimizer_state_dict(tmp),
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
@@ -77,7 +77,7 @@ def load_checkpoint(checkpoint: Path, learner) -> dict[str, Any]:
 
     weights = load_file(str(checkpoint / "model" / "model.safetensors"))
     blob = torch.load(checkpoint / "trainer.pt", weights_only=False)
-    learner.load_weights_and_optimizer(weights, blob["optimizer"])
+    learner.load_weights_and_optimizer(weights, blob["optimizer"], checkpoint)
     torch.set_rng_state(blob["torch_rng"])
     np.random.set_state(blob["numpy_rng"])
     random.setstate(blob["python_rng"])

@@ -208,13 +208,15 @@ class FSDPLearner(Learner):
         )
         self.version = int(state["version"])
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
+    def optimizer_state_dict(self, directory: Any = None) -> dict[str, Any]:
         raise TypeError(
             "a sharded learner's optimizer state is sharded: use save_checkpoint(path), or "
             "RankedLearner for full state"
         )
 
-    def load_weights_and_optimizer(self, weights: Any, optimizer_state: Any) -> None:
+    def load_weights_and_optimizer(
+        self, weights: Any, optimizer_state: Any, directory: Any = None
+    ) -> None:
         raise TypeError("a sharded learner loads with load_checkpoint(path)")
 
     def state_dict(self) -> dict[str, Any]:

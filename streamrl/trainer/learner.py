@@ -175,12 +175,16 @@ class Learner:
         """Detached copies of the parameters, keyed like the engine's model (for weight sync)."""
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the optimizer (`load_weights_and_optimizer` reads it)."""
+    def optimizer_state_dict(self, directory: Any = None) -> dict[str, Any]:
+        """What a checkpoint keeps of the optimizer (`load_weights_and_optimizer` reads it).
+        `directory` is the checkpoint being written (sharded learners put their shards there)."""
         return self.optimizer.state_dict()
 
     def load_weights_and_optimizer(
-        self, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]
+        self,
+        weights: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, Any],
+        directory: Any = None,
     ) -> None:
         """Restore a checkpoint: `weights` as `save_pretrained` wrote them (tied ones absent)."""
         if "format" in optimizer_state:

@@ -18,8 +18,9 @@ group also has NCCL for the FSDP collectives, and commands and rows stay on gloo
 Rank 0 also keeps an unsharded copy of the model (`model`), refreshed from the gathered full
 weights whenever `named_weights` runs (after every step, for weight sync). Held-out evaluation,
 `save_pretrained` checkpoints and pi_old log-probs in the synchronous loop read that copy, so
-they need no collectives. Checkpoints hold full (unsharded) model and optimizer state, so a run
-resumes at any world size > 1.
+they need no collectives. In a checkpoint, the HF model directory comes from that copy and
+every rank writes its own shard of model and optimizer (torch.distributed.checkpoint, in
+`sharded/`), so a run resumes at any world size > 1 and no rank gathers the optimizer state.
 
 Worker processes exit when rank 0 sends stop, and on their own when rank 0's process dies (the
 group's connections close, and a watchdog sees the parent go).
@@ -35,18 +36,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from streamrl.models.loading import load_causal_lm
 from streamrl.trainer.fsdp import (
@@ -70,8 +66,9 @@ LEARNER_FIELDS = (
     "ref_logprobs",
     "versions",
 )
-_ACCUMULATE, _STEP, _WEIGHTS, _STATE, _LOAD, _SET_VERSION, _STOP = range(7)
-OPTIMIZER_FORMAT = "fsdp-full"  # how `optimizer_state_dict` keys its state (by parameter name)
+_ACCUMULATE, _STEP, _WEIGHTS, _SAVE, _LOAD, _SET_VERSION, _STOP = range(7)
+OPTIMIZER_FORMAT = "fsdp-dcp"  # `optimizer_state_dict`'s marker: the state is in SHARDED_DIR
+SHARDED_DIR = "sharded"  # in a checkpoint: every rank's shard of model and optimizer (DCP)
 
 
 @dataclass(frozen=True)
@@ -159,20 +156,12 @@ def _train_share(
         learner.accumulate([rows[i] for i in indices], num_skipped_tokens=skipped if k == 0 else 0)
 
 
-def _full_state(learner: FSDPLearner) -> tuple[dict[str, Any], dict[str, Any]]:
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(learner.model, learner.optimizer, options=options)
+def _text_blob(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
-def _load_full_state(
-    learner: FSDPLearner, model_state: dict[str, Any], optim_state: dict[str, Any]
-) -> None:
-    """Rank 0 passes the full state, the others empty dicts; rank 0 broadcasts it tensor by
-    tensor and each rank keeps its shard. Model and optimizer go in two calls: in one call an
-    empty model state would make the other ranks skip the model's broadcasts."""
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(learner.model, model_state, options=options)
-    set_optimizer_state_dict(learner.model, learner.optimizer, optim_state, options=options)
+def _blob_text(blob: torch.Tensor) -> str:
+    return blob.numpy().tobytes().decode()
 
 
 def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -> None:
@@ -198,10 +187,10 @@ def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -
             learner.step()
         elif code == _WEIGHTS:
             learner.named_weights()
-        elif code == _STATE:
-            _full_state(learner)
+        elif code == _SAVE:
+            learner.save_checkpoint(_blob_text(_broadcast_blob(None)))
         elif code == _LOAD:
-            _load_full_state(learner, {}, {})
+            learner.load_checkpoint(_blob_text(_broadcast_blob(None)))
         elif code == _SET_VERSION:
             learner.version = arg
         elif code == _STOP:
@@ -290,24 +279,36 @@ class RankedLearner:
                 params[name].copy_(value)
         return {name: value.clone() for name, value in full.items()}
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's full state, keyed by parameter name (see `OPTIMIZER_FORMAT`)."""
-        _command(_STATE)
-        _, optim_state = _full_state(self.local)
-        return {"format": OPTIMIZER_FORMAT, "state": optim_state}
+    def optimizer_state_dict(self, directory: str | Path | None = None) -> dict[str, Any]:
+        """Every rank writes its shard of model and optimizer into `directory`/SHARDED_DIR
+        (torch.distributed.checkpoint, loadable at another world size); returns the marker
+        that `load_weights_and_optimizer` reads back."""
+        if directory is None:
+            raise TypeError("sharded ranks save their state into a checkpoint directory")
+        _command(_SAVE)
+        path = str(Path(directory) / SHARDED_DIR)
+        _broadcast_blob(_text_blob(path))
+        self.local.save_checkpoint(path)
+        return {"format": OPTIMIZER_FORMAT, "dir": SHARDED_DIR}
 
     def load_weights_and_optimizer(
-        self, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]
+        self,
+        weights: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, Any],
+        directory: str | Path | None = None,
     ) -> None:
-        """Restore a checkpoint on every rank: `weights` as `save_pretrained` wrote them."""
-        if optimizer_state.get("format") != OPTIMIZER_FORMAT:
+        """Restore a checkpoint: every rank reads its shard from `directory`; `weights` (as
+        `save_pretrained` wrote them) refresh rank 0's unsharded copy."""
+        if optimizer_state.get("format") != OPTIMIZER_FORMAT or directory is None:
             raise ValueError(
                 "this checkpoint's optimizer state was written by a single-process trainer "
                 "(trainer.world_size=1); resume it with trainer.world_size=1"
             )
         self.model.load_state_dict(weights, strict=False)  # tied weights are absent
         _command(_LOAD)
-        _load_full_state(self.local, self.model.state_dict(), optimizer_state["state"])
+        path = str(Path(directory) / optimizer_state["dir"])
+        _broadcast_blob(_text_blob(path))
+        self.local.load_checkpoint(path)
 
     def close(self) -> None:
         """Stop the worker ranks and leave the process group."""

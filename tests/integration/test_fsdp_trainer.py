@@ -1,7 +1,7 @@
 """The trainer role over two FSDP2 ranks (`trainer.world_size=2`, gloo on CPU) trains exactly like
 one process: the same samples and, within float noise, the same losses and gradient norms at
 every step; in the multi-process Ray deployment as in the synchronous loop; and a run resumed from
-a sharded trainer's checkpoint continues where it left off.
+a sharded trainer's checkpoint continues exactly where it left off.
 
 Strict on-policy (`max_staleness=0`) makes the sampled tokens a function of the weights alone, so
 two runs can only draw the same samples at every step if their updates agree.
@@ -18,7 +18,7 @@ from tests.integration.conftest import QUICK, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 3
+STEPS = 4
 
 
 def _run(tmp_path, cache, name: str, *extra: str):
@@ -72,8 +72,9 @@ def test_two_fsdp_ranks_train_like_one_process(tmp_path, quick_cache):
     assert _digests(sharded) == _digests(single)
     _assert_same_training(_steps(sharded), _steps(single))
 
-    # Resume the sharded run from its step-2 checkpoint (full model and optimizer state).
-    shutil.rmtree(sharded / "checkpoints" / "step-000003")
+    # Resume the sharded run from its step-2 checkpoint (each rank's shard of model and AdamW
+    # state): step 4 only matches if step 3 was taken with the restored optimizer state.
+    shutil.rmtree(sharded / "checkpoints" / "step-000004")
     run_cli(["train", "--resume", str(sharded)])
     assert '"resumed_from_step": 2' in (sharded / "summary.json").read_text()
     assert _digests(sharded) == _digests(single)
