@@ -73,7 +73,7 @@ bench-vllm-engines: $(VLLM_STAMP)
 	$(BIN)/python benchmarks/vllm_engines.py
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) .venv-swift runs .cache
 
 ## Data-bus throughput: streamrl's Ray bus (1 and 4 shards) vs TransferQueue, side by side
 ## (docs/benchmarks.md). TransferQueue is a benchmark-only dependency: it adds tensordict,
