@@ -87,7 +87,7 @@ from vs_trl import (
     Workload,
     add_workload_args,
     load_average,
-    num_parameters,
+    prepare_policy,
     print_table,
     run_streamrl,
     workloads,
@@ -292,8 +292,6 @@ def main() -> None:
     if not a.omp_spin:  # before torch loads here; every child process inherits it
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local; never reach a hub
-    from streamrl.config import load_config
-    from streamrl.trainer.sft import ensure_policy_dir
 
     print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {load_average()}", flush=True)
     table: list[tuple[Workload, int, dict[str, Figures]]] = []
@@ -302,14 +300,7 @@ def main() -> None:
         if a.work_dir is not None:  # kept: ms-swift's logs, dataset, spec and saved model
             tmp = str(a.work_dir.resolve())
         for work in workloads(a):
-            started = time.perf_counter()
-            policy_dir = ensure_policy_dir(load_config(work.overrides()))  # outside the timings
-            params = num_parameters(policy_dir)
-            print(
-                f"[{work.name}] policy {policy_dir} ({params / 1e6:.1f} M parameters, "
-                f"{time.perf_counter() - started:.0f} s to find or build)",
-                flush=True,
-            )
+            params = prepare_policy(work)
             figures = {system: Figures() for system in a.systems}
             swift_own_step_s: list[float] = []  # ms-swift's own step_time, warm-up left out
             for round_ in range(a.rounds):

@@ -335,6 +335,22 @@ class Figures:
         return statistics.median(self.step_s)
 
 
+def prepare_policy(work: Workload) -> int:
+    """Find or build the workload's warm-started policy (outside every timing); its size."""
+    from streamrl.config import load_config
+    from streamrl.trainer.sft import ensure_policy_dir
+
+    started = time.perf_counter()
+    policy_dir = ensure_policy_dir(load_config(work.overrides()))
+    params = num_parameters(policy_dir)
+    print(
+        f"[{work.name}] policy {policy_dir} ({params / 1e6:.1f} M parameters, "
+        f"{time.perf_counter() - started:.0f} s to find or build)",
+        flush=True,
+    )
+    return params
+
+
 def num_parameters(policy_dir: Path) -> int:
     from streamrl.models.loading import load_causal_lm
 
@@ -413,21 +429,12 @@ def main() -> None:
         return
     if not a.omp_spin:  # before torch loads here; every child process inherits it
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    from streamrl.config import load_config
-    from streamrl.trainer.sft import ensure_policy_dir
 
     print(f"machine: {os.cpu_count()} CPUs, {platform.machine()}, {load_average()}", flush=True)
     table: list[tuple[Workload, int, dict[str, Figures]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for work in workloads(a):
-            started = time.perf_counter()
-            policy_dir = ensure_policy_dir(load_config(work.overrides()))  # outside the timings
-            params = num_parameters(policy_dir)
-            print(
-                f"[{work.name}] policy {policy_dir} ({params / 1e6:.1f} M parameters, "
-                f"{time.perf_counter() - started:.0f} s to find or build)",
-                flush=True,
-            )
+            params = prepare_policy(work)
             figures = {system: Figures() for system in a.systems}
             for round_ in range(a.rounds):
                 shift = round_ % len(a.systems)  # each round starts with the next system
