@@ -57,11 +57,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from common import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -128,18 +129,7 @@ def label(pid: int, root: int, parents: dict[int, int], roles: dict[int, str], c
 def run(run_dir: Path, overrides: list[str], window: tuple[int, int]) -> tuple[list[dict], dict]:
     """One `streamrl train` run: the metrics records of its training steps, and CPU seconds per
     process group between the records of steps window[0] and window[1] (plus the wall time)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "train",
-        *overrides,
-        f"run.run_dir={run_dir}",
-        "run.progress=false",
-        "run.log_every=0",
-    ]
-    # A Ray instance of its own even when another job on the machine runs one.
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    cmd, env = train_command(run_dir, overrides)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
     metrics = run_dir / "metrics.jsonl"
     first: dict[int, float] = {}

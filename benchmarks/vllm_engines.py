@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-from demo_workload import demo_model_and_feeder
+from common import demo_model_and_feeder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

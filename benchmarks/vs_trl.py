@@ -86,6 +86,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import train_command
+
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("trl", "sync", "async", "async-noskip")
 STREAMRL_SYSTEMS = {  # system -> its overrides on top of the workload's
@@ -138,20 +140,7 @@ class Workload:
 
 def run_streamrl(work: Workload, system: str, run_dir: Path) -> dict[str, Any]:
     """One `streamrl train` run; per-step figures from its metrics.jsonl."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl.cli",
-        "train",
-        *work.overrides(),
-        *STREAMRL_SYSTEMS[system],
-        f"run.run_dir={run_dir}",
-        "run.progress=false",
-        "run.log_every=0",
-    ]
-    # A Ray instance of its own even when another job on the machine runs one (ray.init would
-    # otherwise join that cluster).
-    env = {**os.environ, "RAY_ADDRESS": "local"}
+    cmd, env = train_command(run_dir, [*work.overrides(), *STREAMRL_SYSTEMS[system]])
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=env)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [

@@ -1,10 +1,24 @@
-"""The demo's model and prompts for engine benchmarks: a fresh built-in tiny model directory
-(the default config's size, random weights) and batches of the built-in task's prompts."""
+"""Set-up shared by the benchmark scripts: a `streamrl train` command line, and the demo's model
+and prompts for engine benchmarks (a fresh built-in tiny model directory of the default config's
+size with random weights, and batches of the built-in task's prompts)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_command(run_dir: Path, overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a quiet `streamrl train` run into `run_dir`, with its own Ray
+    instance even when another job on the machine runs one."""
+    cmd = [sys.executable, "-m", "streamrl.cli", "train", *overrides]
+    cmd += [f"run.run_dir={run_dir}", "run.progress=false", "run.log_every=0"]
+    return cmd, {**os.environ, "RAY_ADDRESS": "local"}
 
 
 def demo_model_and_feeder(prefix: str, *, prompts: int, group_size: int):
