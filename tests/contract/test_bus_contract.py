@@ -861,8 +861,13 @@ def test_ray_writer_owned_payloads_die_with_the_writer(ray_cluster: None) -> Non
         writer = Writer.remote()
         ray.get(writer.write.remote(bus))
         ray.kill(writer)
-        time.sleep(0.5)
+        # The payload is lost once Ray has noticed its owner's death, which takes a moment on a
+        # loaded machine: until then a claim may still read it (with a short lease, so the row
+        # is offered again).
+        deadline = time.monotonic() + 60
         with pytest.raises(ObjectLostError):  # the documented price of payload_owner="writer"
-            bus.claim("trainer", ["response_ids"], 1)
+            while time.monotonic() < deadline:
+                bus.claim("trainer", ["response_ids"], 1, lease_s=0.05)
+                time.sleep(0.2)
     finally:
         bus.close()
