@@ -23,3 +23,14 @@ class WeightService(Protocol):
         """Called by an engine between batches or decode steps: the newest (version, tensors) if
         it is newer than `have_version`, else None (cheap: no tensors move)."""
         ...
+
+
+def wait_newer(weights: WeightService, have_version: int, timeout_s: float) -> None:
+    """Block until a version newer than `have_version` is published or `timeout_s` passes, for
+    services that can wait inside the service (an optional method `wait_newer` with the same
+    arguments); return at once for the others. Roles held back by the policy version (the
+    rollout's admission bound, the feeder's) call it instead of polling, so they start within
+    one call's latency of the publish."""
+    wait = getattr(weights, "wait_newer", None)
+    if wait is not None and timeout_s > 0:
+        wait(have_version, timeout_s)

@@ -16,6 +16,7 @@ import numpy as np
 
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
+from streamrl.api.weights import wait_newer
 
 CONSUMER = "rollout"
 
@@ -88,6 +89,9 @@ class RolloutRole:
             wait_s=self.claim_wait_s,
         )
         if lease is None:
+            # Nothing admissible: the next batch waits for newer weights (admission control),
+            # so wait for a publish inside the weight service rather than polling for it.
+            wait_newer(self.weights, self.engine.version, self.claim_wait_s)
             return False
         start = time.perf_counter()
 

@@ -118,12 +118,17 @@ class RoleActor:
         log.info("%s: running", self.name)
         try:
             idle_s = self.poll_s
+            target = getattr(self.role, "role", self.role)  # the trainer's hooks wrap its role
+            long_poll_s = getattr(target, "claim_wait_s", 0.0)
             next_stats = time.monotonic() + STATS_LOG_S
             while not self._stop.is_set():
                 if getattr(self.role, "done", False):
                     return
+                started = time.monotonic()
                 if self.role.step():
                     idle_s = self.poll_s
+                elif long_poll_s > 0 and time.monotonic() - started >= long_poll_s / 2:
+                    idle_s = self.poll_s  # the step already waited (a long poll): look again now
                 else:  # back off while there is nothing to do, up to 16x the poll interval
                     time.sleep(idle_s)
                     idle_s = min(idle_s * 2, self.poll_s * 16)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from streamrl.api import fields as F
@@ -35,6 +36,7 @@ from streamrl.config.schema import Config
 log = logging.getLogger(__name__)
 
 TRAINER = "trainer"
+COMMIT_THREADS = 8  # acks in flight at once when a checkpoint releases the held ones
 
 
 def in_place_recovery(cfg: Config) -> bool:
@@ -81,10 +83,15 @@ class DeferredAcks:
         return self._bus.claim(*args, **kwargs)
 
     def commit(self) -> int:
-        """Send the held acks (the latest checkpoint covers their rows); returns how many."""
+        """Send the held acks (the latest checkpoint covers their rows); returns how many.
+
+        A checkpoint's worth of leases (`checkpoint_every` steps of micro-batches) is acked
+        several at a time: one after the other, their round trips held the trainer up for most
+        of a step at each checkpoint."""
         held, self._held = self._held, []
-        for lease_id, sample_ids in held:
-            self._bus.ack(lease_id, sample_ids)
+        with ThreadPoolExecutor(max_workers=min(COMMIT_THREADS, max(len(held), 1))) as pool:
+            for done in [pool.submit(self._bus.ack, *ack) for ack in held]:
+                done.result()  # a failed ack raises here, after the others were sent
         return len(held)
 
     def _keep_leases(self) -> None:

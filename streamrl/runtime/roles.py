@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from streamrl.api.weights import wait_newer
 from streamrl.data.feeder import PromptFeeder
 from streamrl.models.loading import load_tokenizer
 from streamrl.reward.service import RewardRole
@@ -57,6 +58,7 @@ class FeederRole:
         end_batch: int,
         reserve_groups: int = 0,
         newest_batch: Callable[[], int] | None = None,
+        wait_for_batch: Callable[[int, float], None] | None = None,
     ):
         self.bus = bus
         self.feeder = feeder
@@ -66,12 +68,18 @@ class FeederRole:
         # When the trainer keeps trained rows for recovery (runtime/recovery.py), capacity no
         # longer bounds how far ahead the feeder runs: the newest admissible batch does.
         self.newest_batch = newest_batch
+        # wait_for_batch(batch, wait_s): block until `batch` may be admissible (a newer policy
+        # version), for at most wait_s; the runtime sets `claim_wait_s` where blocking is fine.
+        self.wait_for_batch = wait_for_batch
+        self.claim_wait_s = 0.0
 
     def step(self) -> bool:
         room = self.feeder.batch_prompts + self.reserve_groups
         if self.next_batch >= self.end_batch or not self.bus.can_add(room):
             return False
         if self.newest_batch is not None and self.next_batch > self.newest_batch():
+            if self.wait_for_batch is not None and self.claim_wait_s > 0:
+                self.wait_for_batch(self.next_batch, self.claim_wait_s)
             return False
         self.bus.add_rows(self.feeder.batch(self.next_batch))
         self.next_batch += 1
@@ -105,6 +113,8 @@ def build_role(
     target = role.role if isinstance(role, TrainerWithHooks) else role
     if hasattr(target, "claim_wait_s"):
         target.claim_wait_s = claim_wait_s
+    if hasattr(target, "prefetch_claims"):  # a long-polling bus is a Ray bus: thread-safe
+        target.prefetch_claims = claim_wait_s > 0
     return role
 
 
@@ -119,6 +129,9 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             end_batch=cfg.trainer.steps,
             reserve_groups=(C.batches_per_step(cfg) - 1) * C.prompts_per_batch(cfg),
             newest_batch=feeder_bound(cfg, weights, start_step),
+            wait_for_batch=lambda batch, wait_s: wait_newer(
+                weights, batch - cfg.rollout.max_staleness - 1, wait_s
+            ),
         )
     if name == "rollout":
         return RolloutRole(
@@ -219,6 +232,7 @@ class TrainerWithHooks:
         return {"busy_s": self.role.trainer.busy_s, "step": self.role.current}
 
     def close(self) -> None:
+        self.role.close()
         self.role.trainer.learner.close()  # stops the FSDP2 ranks, if any
 
 

@@ -14,9 +14,11 @@ once its rank among the informative ones is certain (`dynamic_sampling.py`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,8 @@ from streamrl.api import fields as F
 from streamrl.api.bus import BusFullError
 from streamrl.metrics.stats import summarize
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
+
+log = logging.getLogger(__name__)
 
 CONSUMER = "trainer"
 TRAIN_FIELDS = [
@@ -172,6 +176,12 @@ class TrainerRole:
         self.micro_batch_rows = micro_batch_rows
         self.lease_s = lease_s
         self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
+        # Claim the next micro-batch in a second thread while this one trains (runtimes whose
+        # bus client may be called from two threads set it): the claim's round trip then
+        # overlaps the forward and backward instead of following them.
+        self.prefetch_claims = False
+        self._prefetch: Future | None = None
+        self._claimer: ThreadPoolExecutor | None = None
         self.current = start_step
         self.refill = refill
         self.max_rounds = max_rounds
@@ -228,14 +238,9 @@ class TrainerRole:
             self.bus.renew(lease_id)
         self._renewed = time.perf_counter()
 
-    def step(self) -> dict[str, Any] | None:
-        """Train one ready micro-batch of the current batch; return a step record when the step
-        completed, else None (the caller checks `progressed` for whether any work was done)."""
-        self.progressed = False
-        if self._plan is not None and self._plan.wants_round:
-            self.progressed = self._add_round()
-        self._renew_leases()
-        lease = self.bus.claim(
+    def _claim(self):
+        """Claim a micro-batch of whole groups of the current batch (None: none ready)."""
+        return self.bus.claim(
             CONSUMER,
             self.fields,
             self.micro_batch_rows,
@@ -244,6 +249,32 @@ class TrainerRole:
             lease_s=self.lease_s,
             wait_s=self.claim_wait_s,
         )
+
+    def close(self) -> None:
+        """Stop the prefetching thread; a claim still in flight is released."""
+        if self._claimer is None:
+            return
+        pending, self._prefetch = self._prefetch, None
+        try:
+            lease = pending.result() if pending is not None else None
+            if lease is not None:
+                self.bus.release(lease.lease_id)
+        except Exception as e:  # noqa: BLE001 - closing after a failure: its lease expires
+            log.warning("trainer: prefetched claim not released: %s", e)
+        self._claimer.shutdown()
+        self._claimer = None
+
+    def step(self) -> dict[str, Any] | None:
+        """Train one ready micro-batch of the current batch; return a step record when the step
+        completed, else None (the caller checks `progressed` for whether any work was done)."""
+        self.progressed = False
+        if self._plan is not None and self._plan.wants_round:
+            self.progressed = self._add_round()
+        self._renew_leases()
+        if self._prefetch is not None:
+            lease, self._prefetch = self._prefetch.result(), None
+        else:
+            lease = self._claim()
         if lease is None:
             return None
         self.progressed = True
@@ -252,6 +283,10 @@ class TrainerRole:
         rows = [r for r in lease.rows if r["group_id"] not in self._groups]
         self._groups.update(r["group_id"] for r in rows)
         if self._plan is None:
+            if self.prefetch_claims and len(self._groups) < self.batch_prompts:
+                if self._claimer is None:
+                    self._claimer = ThreadPoolExecutor(1, thread_name_prefix="trainer-claim")
+                self._prefetch = self._claimer.submit(self._claim)
             self.trainer.train_microbatch(rows)
             if len(self._groups) < self.batch_prompts:
                 return None

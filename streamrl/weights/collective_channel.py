@@ -114,6 +114,10 @@ class _DirectoryActor(_WeightStoreActor):
 class GroupDirectory(RayWeights):
     """Client of the directory actor; picklable (holds only the actor handle)."""
 
+    # The directory actor runs one call at a time, so a caller blocked in it would hold up
+    # publishes: callers poll instead (`api.weights.wait_newer` returns at once).
+    wait_newer = None
+
     @classmethod
     def create(cls, bucket_bytes: int = 64 * 2**20) -> GroupDirectory:
         import ray

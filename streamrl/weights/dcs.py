@@ -8,6 +8,7 @@ straight from the object store.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,14 +63,22 @@ class _WeightStoreActor:
     def __init__(self) -> None:
         self.version = -1
         self.refs: list[Any] = []
+        self._published = threading.Condition()
 
     def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
         import ray
 
         if version > self.version:
             # Put by the actor, so the actor owns the objects and they outlive the trainer.
-            self.refs = [ray.put(b) for b in buckets]
-            self.version = version
+            refs = [ray.put(b) for b in buckets]
+            with self._published:
+                self.refs, self.version = refs, version
+                self._published.notify_all()
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        with self._published:
+            self._published.wait_for(lambda: self.version > have_version, timeout=timeout_s)
+            return self.version
 
     def get_if_newer(self, have_version: int) -> tuple[int, list[list[Any]]] | None:
         if self.version <= have_version:
@@ -91,7 +100,8 @@ class RayWeights:
     def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
         import ray
 
-        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
+        # Threaded: callers blocked in `wait_newer` must not hold up `set`.
+        actor = ray.remote(num_cpus=0, max_concurrency=64)(_WeightStoreActor).remote()
         return cls(actor, bucket_bytes)
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
@@ -103,6 +113,13 @@ class RayWeights:
         import ray
 
         return ray.get(self.handle.latest_version.remote())
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        """Block (inside the store) until a version newer than `have_version` is published or
+        `timeout_s` passes; return the newest version."""
+        import ray
+
+        return ray.get(self.handle.wait_newer.remote(have_version, timeout_s))
 
     def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
         import ray

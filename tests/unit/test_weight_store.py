@@ -1,0 +1,89 @@
+"""The Ray weight store (`weights/dcs.py`): versions round-trip, and `wait_newer` blocks inside
+the store until a publish instead of the caller polling; the feeder uses it when the policy
+version holds it back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import ray
+
+from streamrl.api.weights import wait_newer
+from streamrl.runtime.roles import FeederRole
+from streamrl.weights.dcs import InProcessWeights, RayWeights
+
+
+@pytest.fixture(scope="module")
+def weights() -> Iterator[RayWeights]:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield RayWeights.create()
+    finally:
+        ray.shutdown()
+
+
+def test_publish_then_fetch_newer(weights: RayWeights) -> None:
+    weights.publish(3, {"w": np.arange(4, dtype=np.float32)})
+    assert weights.latest_version() == 3
+    version, tensors = weights.fetch_newer(2)
+    assert version == 3 and np.array_equal(tensors["w"], np.arange(4, dtype=np.float32))
+    assert weights.fetch_newer(3) is None
+
+
+def test_wait_newer_returns_when_a_version_is_published(weights: RayWeights) -> None:
+    have = weights.latest_version()
+    publisher = threading.Timer(0.5, weights.publish, (have + 1, {"w": np.zeros(2)}))
+    started = time.monotonic()
+    publisher.start()
+    try:
+        assert weights.wait_newer(have, 30.0) == have + 1
+    finally:
+        publisher.join()
+    assert 0.4 < time.monotonic() - started < 25.0  # woken by the publish, not the timeout
+
+
+def test_wait_newer_times_out_with_the_held_version(weights: RayWeights) -> None:
+    have = weights.latest_version()
+    started = time.monotonic()
+    assert weights.wait_newer(have, 0.3) == have
+    assert time.monotonic() - started >= 0.29
+    assert weights.wait_newer(have - 1, 30.0) == have  # already newer: no wait
+
+
+def test_wait_newer_helper_skips_services_that_cannot_wait() -> None:
+    started = time.monotonic()
+    wait_newer(InProcessWeights(), -1, 30.0)  # no `wait_newer`: returns at once
+    assert time.monotonic() - started < 5.0
+
+
+class _RoomyBus:
+    def can_add(self, num_groups: int) -> bool:
+        return True
+
+    def add_rows(self, rows) -> None:
+        raise AssertionError("the batch is not admissible yet")
+
+
+class _Feeder:
+    batch_prompts = 2
+
+
+def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None:
+    waits: list[tuple[int, float]] = []
+    role = FeederRole(
+        _RoomyBus(),
+        _Feeder(),
+        start_batch=5,
+        end_batch=10,
+        newest_batch=lambda: 4,
+        wait_for_batch=lambda batch, wait_s: waits.append((batch, wait_s)),
+    )
+    assert role.step() is False
+    assert waits == []  # claim_wait_s = 0 (inline mode): never block
+    role.claim_wait_s = 0.05
+    assert role.step() is False
+    assert waits == [(5, 0.05)]
