@@ -362,6 +362,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of every system (run.seed)")
     p.add_argument("--tiny-steps", type=int, default=30)
     p.add_argument("--tiny-batch-prompts", type=int, default=32)
     p.add_argument("--tiny-lr", type=float, default=3e-4, help="streamrl's default lr")
@@ -390,6 +391,7 @@ def workloads(a: argparse.Namespace) -> list[Workload]:
         "group_size": a.group_size,
         "max_new_tokens": a.max_new_tokens,
         "temperature": a.temperature,
+        "seed": a.seed,
     }
     sizes = {
         "tiny": Workload("tiny", a.tiny_steps, a.tiny_batch_prompts, a.tiny_lr, **common),

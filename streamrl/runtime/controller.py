@@ -83,18 +83,19 @@ class RecordSink:
         if "response/tokens" in metrics:  # a training step (not the initial evaluation)
             self.steps_done += 1
             self.total_tokens += metrics["response/tokens"]
+            # The trainer's own work: training, and the evaluations and checkpoints it runs.
+            busy = (
+                metrics.get("time/trainer_busy_s", 0.0)
+                + metrics.get("time/eval_s", 0.0)
+                + metrics.get("time/checkpoint_s", 0.0)
+            )
             if self._last_time is not None:
                 wall = now - self._last_time
-                busy = (
-                    metrics.get("time/trainer_busy_s", 0.0)
-                    + metrics.get("time/eval_s", 0.0)
-                    + metrics.get("time/checkpoint_s", 0.0)
-                )
                 metrics["throughput/tokens_per_s"] = metrics["response/tokens"] / max(wall, 1e-9)
                 for role, tokens in role_tokens.items():  # e.g. each rollout replica's rate
                     metrics[f"throughput/{role}_tokens_per_s"] = tokens / max(wall, 1e-9)
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
-            self.trainer_busy_s += metrics.get("time/trainer_busy_s", 0.0)
+            self.trainer_busy_s += busy
             for key, value in metrics.items():
                 if key.startswith("samples/dropped_"):
                     reason = key.removeprefix("samples/dropped_")
