@@ -400,6 +400,9 @@ class BuiltinEngine:
         self.max_batch_size = max_batch_size
         self._version = 0
         self.num_weight_updates = 0
+        # True from `load_weights` to the next `generate`: the runner's packed weights are
+        # current. Otherwise `generate` repacks them, as the model may have been trained in place.
+        self._packed_current = False
 
     @property
     def version(self) -> int:
@@ -416,6 +419,7 @@ class BuiltinEngine:
                 torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
             )
         self.runner.refresh()
+        self._packed_current = True
         self._version = version
         self.num_weight_updates += 1
 
@@ -465,7 +469,9 @@ class _Generation:
         self.count = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.last = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.num_used = 0
-        self.runner.refresh()  # the model may have been trained in place since the last call
+        if not engine._packed_current:  # the model may have been trained in place
+            self.runner.refresh()
+        engine._packed_current = False
         self.runner.allocate(num_slots, max(len(r.prompt_ids) for r in requests) + self.max_new)
 
     def run(self) -> list[GenerationResult]:

@@ -59,7 +59,10 @@ class RolloutRole:
         self.inflight_poll_s = 0.02
         self.flush_rows = 64
         self._last_poll = 0.0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # claim to ack: generating and writing results
+        self.weights_s = 0.0  # fetching and loading weights between batches
+        self.wait_s = 0.0  # claims that found nothing admissible, and the waits after them
+        self.claim_s = 0.0  # claims that found rows
         self.num_tokens = 0
         self.num_samples = 0
 
@@ -75,9 +78,12 @@ class RolloutRole:
         return self.pull_weights()
 
     def step(self) -> bool:
+        started = time.perf_counter()
         update = self.pull_weights()
         if update is not None:
             self.engine.load_weights(*update)
+        claim_started = time.perf_counter()
+        self.weights_s += claim_started - started
         newest_allowed = self.engine.version + self.max_staleness
         lease = self.bus.claim(
             CONSUMER,
@@ -92,8 +98,10 @@ class RolloutRole:
             # Nothing admissible: the next batch waits for newer weights (admission control),
             # so wait for a publish inside the weight service rather than polling for it.
             wait_newer(self.weights, self.engine.version, self.claim_wait_s)
+            self.wait_s += time.perf_counter() - claim_started
             return False
         start = time.perf_counter()
+        self.claim_s += start - claim_started
 
         finished: list[GenerationResult] = []
 
@@ -125,6 +133,9 @@ class RolloutRole:
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
             "busy_s": self.busy_s,
+            "weights_s": self.weights_s,
+            "claim_s": self.claim_s,
+            "wait_s": self.wait_s,
             "tokens": self.num_tokens,
             "samples": self.num_samples,
             "version": self.engine.version,

@@ -120,6 +120,9 @@ class RoleActor:
             idle_s = self.poll_s
             target = getattr(self.role, "role", self.role)  # the trainer's hooks wrap its role
             long_poll_s = getattr(target, "claim_wait_s", 0.0)
+            starting = getattr(target, "starting", None)
+            if starting is not None:  # the loop starts now, which may be well after __init__
+                starting()
             next_stats = time.monotonic() + STATS_LOG_S
             while not self._stop.is_set():
                 if getattr(self.role, "done", False):
@@ -257,13 +260,16 @@ def run_ray(
         resume_trainer=resume_trainer if in_place_recovery(ctx.cfg) else None,
     )
     try:
-        supervisor.start(["trainer"])  # first: its weight server's address goes to the others
+        # The trainer is created first (its weight server's address goes to the others) and
+        # starts its loop last, so that its first step's time does not include their start-up.
+        supervisor.start(["trainer"], run=False)
         trainer_info = supervisor.info["trainer"]
         subscriber = weights_for_engines(ctx, trainer_start["weights"], trainer_info)
         trainer_start["weights"] = weights_for_restarted_trainer(
             ctx, trainer_start["weights"], trainer_info
         )
         supervisor.start([n for n in names if n != "trainer"])
+        supervisor.run(["trainer"])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
         loop_started = time.perf_counter()
         last_record = time.perf_counter()

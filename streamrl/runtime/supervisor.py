@@ -96,7 +96,8 @@ class Supervisor:
 
     # -- starting ----------------------------------------------------------------------------------
 
-    def start(self, names: list[str]) -> None:
+    def start(self, names: list[str], *, run: bool = True) -> None:
+        """Create the roles' actors and (unless `run` is false: see `run`) start their loops."""
         for name in names:
             self.actors[name] = self.make_actor(name)
         infos = ray.get([self.actors[n].info.remote() for n in names])
@@ -107,8 +108,14 @@ class Supervisor:
                 "restarts": self.restarts.get(name, 0),
                 "log": str(log_path(self.run_dir, name).relative_to(self.run_dir)),
             }
-            self.runs[name] = self.actors[name].run.remote()
+        if run:
+            self.run(names)
         self.write_status()
+
+    def run(self, names: list[str]) -> None:
+        """Start the loops of roles created by `start(..., run=False)`."""
+        for name in names:
+            self.runs[name] = self.actors[name].run.remote()
 
     # -- watching ------------------------------------------------------------------------------------
 

@@ -72,6 +72,8 @@ class BatchTrainer:
         self.trained_ids: list[str] = []
         self.dropped: Counter[str] = Counter()
         self.busy_s = 0.0
+        self.micro_batches = 0
+        self.trained_rows = 0
 
     def train_microbatch(self, rows: Sequence[Mapping[str, Any]]) -> None:
         start = time.perf_counter()
@@ -99,6 +101,8 @@ class BatchTrainer:
             else:
                 trainable.append(r)
         self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
+        self.micro_batches += 1
+        self.trained_rows += len(trainable)
         self.busy_s += time.perf_counter() - start
 
     def drop_rows(self, rows: Sequence[Mapping[str, Any]], reason: str) -> None:
@@ -133,6 +137,8 @@ class BatchTrainer:
             {"staleness/mean": st["mean"], "staleness/max": st["max"], "staleness/hist": staleness}
         )
         metrics["samples/trained"] = len(self.trained_ids)
+        metrics["train/micro_batches"] = self.micro_batches
+        metrics["samples/computed"] = self.trained_rows
         metrics["samples/dropped"] = sum(self.dropped.values())
         for reason, n in self.dropped.items():
             metrics[f"samples/dropped_{reason}"] = n
@@ -191,6 +197,11 @@ class TrainerRole:
         self._held: dict[str, list[Mapping[str, Any]]] = {}  # claimed groups not yet decided
         self._tried_round: tuple[int, int] | None = None  # (step, round) last tried
         self._step_started = self._renewed = time.perf_counter()
+
+    def starting(self) -> None:
+        """The driver loop starts now: the first step's time counts from here, not from when
+        this role was built."""
+        self._step_started = time.perf_counter()
 
     def _new_plan(self) -> StepGroups | None:
         if self.refill is None:

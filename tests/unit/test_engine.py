@@ -137,6 +137,28 @@ def test_load_weights_copies_tensors_and_sets_the_version(model_dir: Path) -> No
     assert (engine.version, engine.num_weight_updates) == (3, 1)
 
 
+def test_weights_changed_in_place_reach_the_next_generate(model_dir: Path, prompts) -> None:
+    """A model trained in place (sync mode shares it with the trainer) is repacked by the next
+    `generate`; weights given to `load_weights` are packed there once, not again by `generate`."""
+    engine = make_engine(model_dir)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, seed=0)
+    repacks = []
+    refresh = engine.runner.refresh
+    engine.runner.refresh = lambda: (repacks.append(1), refresh())[1]
+
+    before = engine.generate(requests(prompts, "a"), params)[0].logprobs
+    with torch.no_grad():
+        engine.model.model.norm.weight.mul_(3.0)
+    after = engine.generate(requests(prompts, "a"), params)[0].logprobs
+    assert after != before
+    assert len(repacks) == 2
+
+    norm = engine.model.model.norm.weight.detach() / 3.0
+    engine.load_weights(1, {"model.norm.weight": norm})
+    assert engine.generate(requests(prompts, "a"), params)[0].logprobs == before
+    assert len(repacks) == 3  # load_weights packed; its generate did not again
+
+
 def tiny_family_model(family: str):
     """A randomly initialised two-layer model of each supported family (biases where it has them)."""
     import transformers
