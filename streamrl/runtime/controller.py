@@ -234,7 +234,8 @@ def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
 def _summary(
     cfg, run_dir, sink: RecordSink, role_stats, started, rl_wall, peak_bytes, start_step, malformed
 ) -> dict[str, Any]:
-    rollout_busy = role_stats.get("rollout", {}).get("busy_s")
+    rollout = role_stats.get("rollout", {})
+    rollout_busy, rollout_wait = rollout.get("busy_s"), rollout.get("wait_s")
     return {
         "run_name": run_dir.name,
         "run_dir": str(run_dir),
@@ -253,6 +254,8 @@ def _summary(
         "num_malformed_dataset_rows": malformed,
         "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),
         "rollout_busy_fraction": (rollout_busy / rl_wall) if rollout_busy is not None else None,
+        # The rollout held back by max_staleness, waiting for the trainer's next version.
+        "rollout_wait_fraction": (rollout_wait / rl_wall) if rollout_wait is not None else None,
         "role_restarts": role_stats.get("restarts", {}),
         "trainer_restarts": role_stats.get("trainer_restarts", 0),
     }

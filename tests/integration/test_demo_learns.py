@@ -35,6 +35,12 @@ def test_default_job_learns(tmp_path):
     assert any(m["staleness/max"] == 1 for m in steps), (
         "async run never overlapped rollout and training"
     )
+    for m in steps:  # the per-step accounting is consistent
+        assert 0 <= m["samples/computed"] <= m["samples/trained"]
+        assert m["train/micro_batches"] >= 1
+    # The rollout's time split cannot add up to more than the run (a little slack: the split
+    # starts when the role's loop starts, shortly before the run's clock).
+    assert 0 <= summary["rollout_busy_fraction"] + summary["rollout_wait_fraction"] <= 1.05
     first, last = steps[:10], steps[-10:]
     assert sum(m["reward/mean"] for m in last) > sum(m["reward/mean"] for m in first)
 
