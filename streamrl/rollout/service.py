@@ -4,10 +4,14 @@ Admission control is the staleness dial: a row of batch b may be generated only 
 holds policy version >= b - max_staleness. Finished samples are written as soon as the engine
 reports them (streaming), with per-token log-probs and policy versions. Weights are pulled from
 the weight-sync service before each batch and, when enabled, between decode steps (in flight).
+Where the weight service can block until a publish (`wait_newer`, Ray mode), a thread watches
+for publishes, so the decode loop asks for weights only when there are new ones instead of
+making a round trip every `inflight_poll_s`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +23,36 @@ from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingPar
 from streamrl.api.weights import wait_newer
 
 CONSUMER = "rollout"
+
+
+class PublishWatcher:
+    """A daemon thread that keeps `published`, the newest weight version it has seen, current by
+    blocking in the weight service until each next publish. `healthy` is false while the
+    service's calls fail (the rollout then polls as it would without a watcher)."""
+
+    def __init__(self, weights, known: int, wait_s: float = 1.0):
+        self.published = known
+        self.healthy = True
+        self._weights = weights
+        self._wait_s = wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rollout-weights", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                newest = self._weights.wait_newer(self.published, self._wait_s)
+                self.published, self.healthy = max(self.published, newest), True
+            except SystemExit:  # Ray shutting down this process under a pending call
+                return
+            except Exception:  # noqa: BLE001 - retried; meanwhile the decode loop polls
+                self.healthy = False
+                self._stop.wait(self._wait_s)
+
+    def close(self) -> None:
+        """Stop watching (the thread ends within `wait_s`, when its current wait returns)."""
+        self._stop.set()
 
 
 def to_requests(rows: Sequence[Mapping[str, Any]]) -> list[GenerationRequest]:
@@ -59,6 +93,7 @@ class RolloutRole:
         self.inflight_poll_s = 0.02
         self.flush_rows = 64
         self._last_poll = 0.0
+        self._watcher: PublishWatcher | None = None
         self.busy_s = 0.0  # claim to ack: generating and writing results
         self.weights_s = 0.0  # fetching and loading weights between batches
         self.wait_s = 0.0  # claims that found nothing admissible, and the waits after them
@@ -72,12 +107,32 @@ class RolloutRole:
         return self.weights.fetch_newer(self.engine.version)
 
     def poll_inflight(self):
-        """Between decode steps: ask for newer weights at most every `inflight_poll_s`."""
-        if time.perf_counter() - self._last_poll < self.inflight_poll_s:
+        """Between decode steps: newer weights if there are any. With a watcher, only when it has
+        seen a newer publish; without one, ask the service at most every `inflight_poll_s`."""
+        watcher = self._watcher
+        if watcher is not None and watcher.healthy:
+            if watcher.published <= self.engine.version:
+                return None
+        elif time.perf_counter() - self._last_poll < self.inflight_poll_s:
             return None
         return self.pull_weights()
 
+    def _start_watcher(self) -> None:
+        if (
+            self._watcher is None
+            and self.inflight_updates
+            and self.claim_wait_s > 0  # a runtime where blocking calls are fine
+            and callable(getattr(self.weights, "wait_newer", None))
+        ):
+            self._watcher = PublishWatcher(self.weights, self.engine.version)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+
     def step(self) -> bool:
+        self._start_watcher()
         started = time.perf_counter()
         update = self.pull_weights()
         if update is not None:

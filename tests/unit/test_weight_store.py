@@ -87,3 +87,58 @@ def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None
     role.claim_wait_s = 0.05
     assert role.step() is False
     assert waits == [(5, 0.05)]
+
+
+class _CountingWeights:
+    """The Ray store, counting the rollout's `fetch_newer` round trips."""
+
+    def __init__(self, inner: RayWeights):
+        self.inner, self.fetches = inner, 0
+
+    def wait_newer(self, have: int, timeout_s: float) -> int:
+        return self.inner.wait_newer(have, timeout_s)
+
+    def fetch_newer(self, have: int):
+        self.fetches += 1
+        return self.inner.fetch_newer(have)
+
+
+class _VersionedEngine:
+    def __init__(self, version: int):
+        self.version = version
+
+
+def test_rollout_asks_for_inflight_weights_only_after_a_publish(weights: RayWeights) -> None:
+    """With a weight service that can wait, the decode loop's in-flight poll makes no round trip
+    until the watcher has seen a newer version; then one fetch returns it."""
+    from streamrl.api.engine import SamplingParams
+    from streamrl.rollout.service import RolloutRole
+
+    have = weights.latest_version()
+    counting = _CountingWeights(weights)
+    role = RolloutRole(
+        None,
+        counting,
+        _VersionedEngine(have),
+        params=SamplingParams(max_new_tokens=1),
+        max_staleness=1,
+        max_rows=1,
+        inflight_updates=True,
+        lease_s=10.0,
+    )
+    role.claim_wait_s = 0.5
+    role._start_watcher()
+    try:
+        for _ in range(50):
+            assert role.poll_inflight() is None
+        assert counting.fetches == 0
+        weights.publish(have + 1, {"w": np.ones(2)})
+        deadline = time.monotonic() + 20.0
+        update = None
+        while update is None and time.monotonic() < deadline:
+            update = role.poll_inflight()
+            time.sleep(0.01)
+        assert update is not None and update[0] == have + 1
+        assert counting.fetches == 1
+    finally:
+        role.close()
