@@ -100,7 +100,9 @@ class RayWeights:
     def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
         import ray
 
-        # Threaded: callers blocked in `wait_newer` must not hold up `set`.
+        # Threaded: callers blocked in `wait_newer` must not hold up `set`. Each rollout replica
+        # holds up to two such waits (its publish watcher, its admission wait), the feeder one:
+        # 64 threads leave room for about 30 replicas (a wait returns within its timeout anyway).
         actor = ray.remote(num_cpus=0, max_concurrency=64)(_WeightStoreActor).remote()
         return cls(actor, bucket_bytes)
 
