@@ -83,17 +83,21 @@ class RecordSink:
         if "response/tokens" in metrics:  # a training step (not the initial evaluation)
             self.steps_done += 1
             self.total_tokens += metrics["response/tokens"]
-            # The trainer's own work: training, and the evaluations and checkpoints it runs.
-            busy = (
-                metrics.get("time/trainer_busy_s", 0.0)
-                + metrics.get("time/eval_s", 0.0)
-                + metrics.get("time/checkpoint_s", 0.0)
+            # The trainer's own work: training, publishing the new weights, and the evaluations
+            # and checkpoints it runs. Idle is the rest: waiting for samples.
+            working = metrics.get("time/trainer_busy_s", 0.0) + metrics.get(
+                "time/weight_publish_s", 0.0
             )
+            busy = working + metrics.get("time/eval_s", 0.0) + metrics.get("time/checkpoint_s", 0.0)
             if self._last_time is not None:
                 wall = now - self._last_time
                 metrics["throughput/tokens_per_s"] = metrics["response/tokens"] / max(wall, 1e-9)
                 for role, tokens in role_tokens.items():  # e.g. each rollout replica's rate
                     metrics[f"throughput/{role}_tokens_per_s"] = tokens / max(wall, 1e-9)
+            if "time/step_s" in metrics:  # the trainer's own clock: not when records arrive here
+                step_s = max(metrics["time/step_s"], 1e-9)
+                metrics["trainer/idle_frac"] = max(0.0, 1.0 - working / step_s)
+            elif self._last_time is not None:
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             self.trainer_busy_s += busy
             for key, value in metrics.items():

@@ -120,9 +120,9 @@ class RoleActor:
             idle_s = self.poll_s
             target = getattr(self.role, "role", self.role)  # the trainer's hooks wrap its role
             long_poll_s = getattr(target, "claim_wait_s", 0.0)
-            starting = getattr(target, "starting", None)
-            if starting is not None:  # the loop starts now, which may be well after __init__
-                starting()
+            reset_step_clock = getattr(target, "reset_step_clock", None)
+            if reset_step_clock is not None:  # the loop starts now, maybe well after __init__
+                reset_step_clock()
             next_stats = time.monotonic() + STATS_LOG_S
             while not self._stop.is_set():
                 if getattr(self.role, "done", False):

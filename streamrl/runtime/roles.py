@@ -6,6 +6,7 @@ runtime supplies the loop around it (an asyncio task inline, a thread in a Ray a
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -213,8 +214,12 @@ class TrainerWithHooks:
         record = self.role.step()
         if record is not None:
             record = self.hooks.after_step(record)
-            if "time/checkpoint_s" in record["metrics"] and hasattr(self.role.bus, "commit"):
+            metrics = record["metrics"]
+            if "time/checkpoint_s" in metrics and hasattr(self.role.bus, "commit"):
+                started = time.perf_counter()
                 self.role.bus.commit()  # deferred acks (runtime/recovery.py): now on disk
+                metrics["time/checkpoint_s"] += time.perf_counter() - started
+            self.role.reset_step_clock()  # evaluation and checkpoint are not the next step's
             self.records.append(record)
         return self.role.progressed
 

@@ -198,9 +198,10 @@ class TrainerRole:
         self._tried_round: tuple[int, int] | None = None  # (step, round) last tried
         self._step_started = self._renewed = time.perf_counter()
 
-    def starting(self) -> None:
-        """The driver loop starts now: the first step's time counts from here, not from when
-        this role was built."""
+    def reset_step_clock(self) -> None:
+        """The next step's time (`time/step_s`) counts from now. Called when the driver loop
+        starts (not when this role was built: in Ray mode the other roles start after it) and
+        after each step's evaluation and checkpoint, which are timed on their own."""
         self._step_started = time.perf_counter()
 
     def _new_plan(self) -> StepGroups | None:
@@ -294,10 +295,8 @@ class TrainerRole:
         rows = [r for r in lease.rows if r["group_id"] not in self._groups]
         self._groups.update(r["group_id"] for r in rows)
         if self._plan is None:
-            if self.prefetch_claims and len(self._groups) < self.batch_prompts:
-                if self._claimer is None:
-                    self._claimer = ThreadPoolExecutor(1, thread_name_prefix="trainer-claim")
-                self._prefetch = self._claimer.submit(self._claim)
+            if len(self._groups) < self.batch_prompts:
+                self._prefetch_claim()
             self.trainer.train_microbatch(rows)
             if len(self._groups) < self.batch_prompts:
                 return None
@@ -311,13 +310,25 @@ class TrainerRole:
         record = self.trainer.finish()
         if self._plan is not None:
             record["metrics"].update(self._plan.metrics(self.current + 1))
-        self.weights.publish(self.trainer.learner.version, self.trainer.learner.named_weights())
-        for lease_id in self._leases:
-            self.bus.ack(lease_id)
         record["step"] = self.current
-        record["metrics"]["time/step_s"] = time.perf_counter() - self._step_started
-        self._step_started = time.perf_counter()
-        self._leases, self._groups = [], set()
+        leases, self._leases, self._groups = self._leases, [], set()
         self.current += 1
         self._plan = self._new_plan()
+        if self._plan is None:  # the next step's first claim overlaps the publish
+            self._prefetch_claim()
+        published = time.perf_counter()
+        self.weights.publish(self.trainer.learner.version, self.trainer.learner.named_weights())
+        record["metrics"]["time/weight_publish_s"] = time.perf_counter() - published
+        for lease_id in leases:
+            self.bus.ack(lease_id)
+        record["metrics"]["time/step_s"] = time.perf_counter() - self._step_started
+        self._step_started = time.perf_counter()
         return record
+
+    def _prefetch_claim(self) -> None:
+        """Claim the next micro-batch of the current step in the claiming thread."""
+        if not self.prefetch_claims:
+            return
+        if self._claimer is None:
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="trainer-claim")
+        self._prefetch = self._claimer.submit(self._claim)
