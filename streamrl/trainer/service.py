@@ -73,7 +73,7 @@ class BatchTrainer:
         self.dropped: Counter[str] = Counter()
         self.busy_s = 0.0
         self.micro_batches = 0
-        self.trained_rows = 0
+        self.computed_rows = 0  # through forward and backward (trained_ids counts skipped ones too)
 
     def train_microbatch(self, rows: Sequence[Mapping[str, Any]]) -> None:
         start = time.perf_counter()
@@ -102,7 +102,7 @@ class BatchTrainer:
                 trainable.append(r)
         self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
         self.micro_batches += 1
-        self.trained_rows += len(trainable)
+        self.computed_rows += len(trainable)
         self.busy_s += time.perf_counter() - start
 
     def drop_rows(self, rows: Sequence[Mapping[str, Any]], reason: str) -> None:
@@ -138,7 +138,7 @@ class BatchTrainer:
         )
         metrics["samples/trained"] = len(self.trained_ids)
         metrics["train/micro_batches"] = self.micro_batches
-        metrics["samples/computed"] = self.trained_rows
+        metrics["samples/computed"] = self.computed_rows
         metrics["samples/dropped"] = sum(self.dropped.values())
         for reason, n in self.dropped.items():
             metrics[f"samples/dropped_{reason}"] = n
