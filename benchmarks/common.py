@@ -1,6 +1,6 @@
-"""Set-up shared by the benchmark scripts: a `streamrl train` command line, and the demo's model
-and prompts for engine benchmarks (a fresh built-in tiny model directory of the default config's
-size with random weights, and batches of the built-in task's prompts)."""
+"""Set-up shared by the benchmark scripts: a `streamrl train` command line, model sizes, and the
+demo's model and prompts for engine benchmarks (a fresh built-in tiny model directory of the
+default config's size with random weights, and batches of the built-in task's prompts)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Model sizes of the engine and trainer benchmarks: the demo's tiny Qwen3 (about 0.8 M
+# parameters) and a larger one of the same family (about 32 M).
+SIZES = {
+    "default": {"hidden_size": 128, "num_layers": 4, "num_heads": 4},
+    "large": {"hidden_size": 512, "num_layers": 10, "num_heads": 8},
+}
 
 
 def train_command(run_dir: Path, overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:

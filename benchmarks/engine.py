@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import SIZES
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.data.arith import sample_problems
@@ -50,11 +51,6 @@ from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.rollout.builtin_engine import BuiltinEngine
-
-SIZES = {
-    "default": {"hidden_size": 128, "num_layers": 4, "num_heads": 4},
-    "large": {"hidden_size": 512, "num_layers": 10, "num_heads": 8},
-}
 
 _VLLM_RESULT = "vllm tokens/s: "  # how the child process of `time_vllm` reports
 

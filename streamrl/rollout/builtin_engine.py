@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
+from streamrl.models.onednn import onednn_linear_usable
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -343,16 +344,6 @@ def _fuse(linears, scales: list[float], norm) -> tuple[torch.Tensor, torch.Tenso
         for m, s in zip(linears, scales, strict=True)
     ]
     return weight, torch.cat(biases)
-
-
-def onednn_linear_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `_Linear` can run through oneDNN here: fp32 on a CPU, in a build with oneDNN."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
 
 
 class _Linear:

@@ -16,6 +16,7 @@ from streamrl.config.schema import Config
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.models.onednn import use_onednn_linears
 from streamrl.reward.sandbox import SandboxedScorer
 from streamrl.reward.scoring import resolve_callable
 from streamrl.rollout.builtin_engine import BuiltinEngine
@@ -186,7 +187,10 @@ def load_policy_model(ctx: RunContext, device_key: str = "trainer.device"):
     `rollout.device`). Every role loads its model through here."""
     section, field = device_key.split(".")
     device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
-    return load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
+    model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
+    if ctx.cfg.model.onednn_linears:
+        use_onednn_linears(model)
+    return model
 
 
 def make_learner(ctx: RunContext) -> Learner | RankedLearner:
@@ -242,8 +246,11 @@ def make_critic(ctx: RunContext):
 
     c = ctx.cfg.critic
     torch.manual_seed(ctx.cfg.run.seed)
+    model = load_value_model(ctx.policy_dir, ctx.cfg.model.dtype)
+    if ctx.cfg.model.onednn_linears:
+        use_onednn_linears(model)
     return Critic(
-        load_value_model(ctx.policy_dir, ctx.cfg.model.dtype),
+        model,
         pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
         lr=c.lr,
         value_clip=c.value_clip,

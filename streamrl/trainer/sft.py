@@ -23,13 +23,15 @@ from streamrl.config.schema import Config
 from streamrl.data import arith
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.models.onednn import use_onednn_linears
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 
 def warm_start_key(cfg: Config) -> str:
     relevant = {
-        "model": cfg.model.model_dump(),
+        # How the products are computed changes only their rounding, not what is trained.
+        "model": cfg.model.model_dump(exclude={"onednn_linears"}),
         "warm_start": cfg.warm_start.model_dump(),
         "digits": cfg.data.digits,
         "seed": cfg.run.seed,
@@ -81,6 +83,8 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
+    if cfg.model.onednn_linears:
+        use_onednn_linears(model)
     model.train()
     rng = random.Random(cfg.run.seed)
     problems = arith.sample_problems(
