@@ -1,6 +1,7 @@
 """oneDNN linears (streamrl.models.onednn) compute what `F.linear` computes, gradients included."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -76,3 +77,19 @@ def test_a_switched_model_keeps_its_state_dict_and_trains_the_same():
             opt.step()
     for p_fast, p_plain in zip(fast.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p_fast, p_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_onednn_kernel_caches_are_bounded_unless_the_user_says_otherwise():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, streamrl.models.onednn; "
+        "print(os.environ['LRU_CACHE_CAPACITY'], os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["128", "128"], out.stderr
+    env["LRU_CACHE_CAPACITY"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["7", "128"], out.stderr
