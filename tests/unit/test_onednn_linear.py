@@ -89,7 +89,7 @@ def test_onednn_kernel_caches_are_bounded_unless_the_user_says_otherwise():
     )
     env = {k: v for k, v in os.environ.items() if not k.endswith("CACHE_CAPACITY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["128", "128"], out.stderr
+    assert out.stdout.split() == ["256", "256"], out.stderr
     env["LRU_CACHE_CAPACITY"] = "7"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["7", "128"], out.stderr
+    assert out.stdout.split() == ["7", "256"], out.stderr
