@@ -326,7 +326,8 @@ class TrainerRole:
         return record
 
     def _prefetch_claim(self) -> None:
-        """Claim the next micro-batch of the current step in the claiming thread."""
+        """Claim the next micro-batch in the claiming thread: of the current step, or, right after
+        a step ends, the first of the next one (it then overlaps the weight publish)."""
         if not self.prefetch_claims:
             return
         if self._claimer is None:
