@@ -51,8 +51,12 @@ class PublishWatcher:
                 self._stop.wait(self._wait_s)
 
     def close(self) -> None:
-        """Stop watching (the thread ends within `wait_s`, when its current wait returns)."""
+        """Stop watching and wait for the thread to end: at most `wait_s` and a margin, the time
+        its current wait in the weight service takes to return. A thread left inside a Ray call
+        when the process shuts Ray down can abort the process on exit."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self._wait_s + 5.0)
 
 
 def to_requests(rows: Sequence[Mapping[str, Any]]) -> list[GenerationRequest]:

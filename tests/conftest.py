@@ -1,0 +1,37 @@
+"""Suite-wide: end the pytest process with pytest's own exit status, skipping the interpreter's
+teardown of native libraries.
+
+The pytest process hosts Ray sessions itself (the bus contract and weight-store tests) and
+vLLM's CPU engine. After `ray.shutdown()`, threads of Ray's GCS client and core worker and of
+gRPC stay alive (`gcs_client_io_s`, `worker.io`, `grpc_global_tim`, `event_engine`, listed from
+`/proc/self/task` at the end of a run), and the C++ static destructors that run when the
+process exits can race them. CI saw this once: "645 passed", then abseil's
+`mutex.cc: RAW: thread should hold at least a read lock on Mutex` and SIGABRT, exit 134, with
+every test passed. By the time `pytest_unconfigure` runs, the result is decided and reported, so
+the process exits there with that result. The CLI that users run is not affected by this hook:
+the integration tests run it in subprocesses and check its exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+_exit_status: int | None = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _exit_status is None or hasattr(config, "workerinput"):  # no session, or an xdist worker
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
