@@ -135,10 +135,21 @@ class Bus(Protocol):
         """
         ...
 
-    def ack(self, lease_id: str, sample_ids: Sequence[str] | None = None) -> None:
+    def ack(
+        self,
+        lease_id: str,
+        sample_ids: Sequence[str] | None = None,
+        *,
+        writes: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Called by the lease holder after its outputs are written: marks the lease's rows
         (or the given subset) consumed; the other rows of the lease become claimable again.
-        Idempotent; also accepted after the lease expired."""
+        Idempotent; also accepted after the lease expired.
+
+        ``writes`` (``{sample_id: {field: value}}``) are written first, exactly as ``write``
+        would write them, in the same call: a role's last write and its ack then cost one
+        round trip instead of two. A write that raises (an unknown sample id) writes and acks
+        nothing."""
         ...
 
     def release(self, lease_id: str) -> None:

@@ -245,8 +245,16 @@ class LocalBus:
             out_rows.append(out)
         return Lease(lease_id, consumer, out_rows, record.expires_at)
 
-    def ack(self, lease_id: str, sample_ids: Sequence[str] | None = None) -> None:
-        # No wake-up: acking never makes a row claimable by anyone.
+    def ack(
+        self,
+        lease_id: str,
+        sample_ids: Sequence[str] | None = None,
+        *,
+        writes: Mapping[str, Mapping[str, Any]] | None = None,
+        summaries: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """See ``Bus.ack``. ``summaries`` as in ``write``."""
+        # No wake-up for the ack itself: acking never makes a row claimable by anyone.
         with self._locked():
             record = self._lease_record(lease_id)
             if sample_ids is None:
@@ -259,6 +267,8 @@ class LocalBus:
                         f"ack of lease {lease_id!r} names sample ids it does not hold: "
                         f"{sorted(unknown)}"
                     )
+            if writes:
+                self.write(writes, summaries=summaries)  # raises before anything is acked
             for sample_id in acked:
                 self._ack_row(record.consumer, sample_id)
             if lease_id in self._leases:

@@ -179,6 +179,13 @@ class RayBus:
         return sum(self._on_all("num_groups_live").values())
 
     def write(self, updates: Mapping[str, Mapping[str, Any]]) -> None:
+        self._on(self._write_calls(updates), "write")
+
+    def _write_calls(
+        self, updates: Mapping[str, Mapping[str, Any]]
+    ) -> dict[int, tuple[dict[str, Any], dict[str, Any]]]:
+        """``write``'s arguments for each shard: (stored values, summaries) by sample id.
+        Validates everything first, so that a write either reaches every shard or none."""
         updates = {sample_id: dict(values) for sample_id, values in updates.items()}
         if self.num_shards > 1:
             for values in updates.values():  # before any shard writes: all or nothing
@@ -188,11 +195,10 @@ class RayBus:
             raise UnknownSampleError(unknown[0])
         stored = self._store(updates)
         summaries = {sid: s for sid, values in updates.items() if (s := samplers.summarize(values))}
-        calls = {
+        return {
             k: ({s: stored[s] for s in ids}, {s: summaries[s] for s in ids if s in summaries})
             for k, ids in by_shard.items()
         }
-        self._on(calls, "write")
 
     def drop(self, sample_ids: Sequence[str], reason: str) -> None:
         by_shard, unknown = self._locate(list(sample_ids))
@@ -235,19 +241,34 @@ class RayBus:
                 return lease
             self._wait_any(targets, request, remaining)
 
-    def ack(self, lease_id: str, sample_ids: Sequence[str] | None = None) -> None:
+    def ack(
+        self,
+        lease_id: str,
+        sample_ids: Sequence[str] | None = None,
+        *,
+        writes: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         lease_uuid, shards = self._split_lease_id(lease_id)
         if sample_ids is None or len(shards) == 1:
-            ids = None if sample_ids is None else list(sample_ids)
-            self._on({k: (lease_uuid, ids) for k in shards}, "ack")
-            return
-        by_shard, unknown = self._locate(list(sample_ids))
-        outside = unknown + [s for k, ids in by_shard.items() if k not in shards for s in ids]
-        if outside:
-            raise ValueError(
-                f"ack of lease {lease_id!r} names sample ids it does not hold: {sorted(outside)}"
-            )
-        self._on({k: (lease_uuid, by_shard.get(k, [])) for k in shards}, "ack")
+            ids_by_shard = {k: None if sample_ids is None else list(sample_ids) for k in shards}
+        else:
+            by_shard, unknown = self._locate(list(sample_ids))
+            outside = unknown + [s for k, ids in by_shard.items() if k not in shards for s in ids]
+            if outside:
+                raise ValueError(
+                    f"ack of lease {lease_id!r} names sample ids it does not hold: "
+                    f"{sorted(outside)}"
+                )
+            ids_by_shard = {k: by_shard.get(k, []) for k in shards}
+        writes_by_shard = self._write_calls(writes) if writes else {}
+        if any(k not in shards for k in writes_by_shard):  # rows outside the lease: write first
+            self._on(writes_by_shard, "write")
+            writes_by_shard = {}
+        calls = {
+            k: (lease_uuid, ids, *writes_by_shard.get(k, (None, None)))
+            for k, ids in ids_by_shard.items()
+        }
+        self._on(calls, "ack")
 
     def release(self, lease_id: str) -> None:
         lease_uuid, shards = self._split_lease_id(lease_id)

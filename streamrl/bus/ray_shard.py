@@ -187,8 +187,14 @@ class BusShard:
     def wait_ready(self, consumer: str, fields: list[str], max_rows: int, **kwargs: Any) -> bool:
         return self._bus.wait_ready(consumer, fields, max_rows, **kwargs)
 
-    def ack(self, lease_id: str, sample_ids: list[str] | None) -> None:
-        self._bus.ack(lease_id, sample_ids)
+    def ack(
+        self,
+        lease_id: str,
+        sample_ids: list[str] | None,
+        writes: dict[str, dict[str, Any]] | None = None,
+        summaries: dict[str, Any] | None = None,
+    ) -> None:
+        self._bus.ack(lease_id, sample_ids, writes=writes, summaries=summaries)
 
     def release(self, lease_id: str) -> None:
         self._bus.release(lease_id)

@@ -199,8 +199,7 @@ class CriticRole:
         if lease is None:
             return False
         start = time.perf_counter()
-        self.bus.write(self.critic.values(lease.rows))
-        self.bus.ack(lease.lease_id)
+        self.bus.ack(lease.lease_id, writes=self.critic.values(lease.rows))
         self.busy_s += time.perf_counter() - start
         return True
 

@@ -164,11 +164,15 @@ class RolloutRole:
 
         finished: list[GenerationResult] = []
 
-        def flush() -> None:
-            self.bus.write({r.request_id: result_fields(r) for r in finished})
+        def take() -> dict[str, dict[str, Any]]:
+            updates = {r.request_id: result_fields(r) for r in finished}
             self.num_tokens += sum(len(r.response_ids) for r in finished)
             self.num_samples += len(finished)
             finished.clear()
+            return updates
+
+        def flush() -> None:
+            self.bus.write(take())
 
         def on_finished(results: list[GenerationResult]) -> None:
             # Stream finished samples out in chunks: early enough for the next roles, few
@@ -183,9 +187,7 @@ class RolloutRole:
             on_finished=on_finished,
             weight_poll=self.poll_inflight if self.inflight_updates else None,
         )
-        if finished:
-            flush()
-        self.bus.ack(lease.lease_id)
+        self.bus.ack(lease.lease_id, writes=take() if finished else None)  # the last chunk too
         self.busy_s += time.perf_counter() - start
         return True
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -75,7 +75,15 @@ class DeferredAcks:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bus, name)
 
-    def ack(self, lease_id: str, sample_ids: Sequence[str] | None = None) -> None:
+    def ack(
+        self,
+        lease_id: str,
+        sample_ids: Sequence[str] | None = None,
+        *,
+        writes: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        if writes:  # fields go out now; only the ack waits for the checkpoint
+            self._bus.write(writes)
         self._held.append((lease_id, sample_ids))
 
     def claim(self, *args: Any, **kwargs: Any):

@@ -358,6 +358,40 @@ def test_ack_is_idempotent(bus: Bus) -> None:
     assert stats["acked"]["trainer"] == 2 and stats["rows_live"] == 2
 
 
+def test_ack_with_writes_writes_then_acks(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 2, fields={"prompt_ids": [1, 2]}))
+    lease = bus.claim("reward", ["prompt_ids"], 5)
+    bus.ack(lease.lease_id, writes={"g/0": {"reward": 1.0}, "g/1": {"reward": 0.0}})
+    assert bus.stats()["acked"]["reward"] == 2
+    assert bus.claim("reward", ["prompt_ids"], 5) is None  # consumed
+    rows = bus.claim("trainer", ["reward"], 5).rows  # and the fields are there
+    assert {r["sample_id"]: r["reward"] for r in rows} == {"g/0": 1.0, "g/1": 0.0}
+
+
+def test_ack_with_writes_may_write_rows_outside_the_lease(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("a", 1) + group_rows("b", 1))
+    lease = bus.claim("reward", [], 1)
+    assert ids(lease) == ["a/0"]
+    bus.ack(lease.lease_id, writes={"a/0": {"reward": 1.0}, "b/0": {"reward": 0.5}})
+    rows = bus.claim("trainer", ["reward"], 5).rows
+    assert {r["sample_id"]: r["reward"] for r in rows} == {"a/0": 1.0, "b/0": 0.5}
+    assert ids(bus.claim("reward", [], 5)) == ["b/0"]  # only the lease's row was acked
+
+
+def test_ack_with_a_bad_write_writes_and_acks_nothing(bus: Bus) -> None:
+    bus.register_consumer("reward")
+    bus.add_rows(group_rows("g", 1))
+    lease = bus.claim("reward", [], 5)
+    with pytest.raises(UnknownSampleError):
+        bus.ack(lease.lease_id, writes={"g/0": {"reward": 1.0}, "nope": {"reward": 0.0}})
+    assert bus.stats()["acked"].get("reward", 0) == 0
+    assert bus.claim("trainer", ["reward"], 5) is None  # nothing written
+    bus.ack(lease.lease_id, writes={"g/0": {"reward": 1.0}})  # the lease is still good
+    assert bus.stats()["acked"]["reward"] == 1
+
+
 @pytest.mark.parametrize("method", ["ack", "release", "renew"])
 def test_unknown_lease_raises(bus: Bus, method: str) -> None:
     with pytest.raises(ValueError, match="unknown lease"):
@@ -787,6 +821,20 @@ def test_sharded_partial_ack_routes_by_sample_id(sharded: Any) -> None:
     with pytest.raises(UnknownSampleError):
         other.write({"nope": {"reward": 1.0}, "a/1": {"reward": 0.0}})
     assert sharded.stats()["acked"]["trainer"] == 2
+
+
+def test_sharded_ack_with_writes_routes_each_write_to_its_shard(sharded: Any) -> None:
+    sharded.register_consumer("reward")
+    sharded.add_rows(group_rows("a", 2) + group_rows("b", 2))  # "a" and "b": different shards
+    lease = sharded.claim("reward", [], 10)
+    assert lease.lease_id.count(".") == 1  # spans two shards
+    writes = {sid: {"reward": float(i)} for i, sid in enumerate(ids(lease))}
+    sharded.ack(lease.lease_id, writes=writes)
+    rows = sharded.claim("trainer", ["reward"], 10).rows
+    assert {r["sample_id"]: r["reward"] for r in rows} == {
+        s: v["reward"] for s, v in writes.items()
+    }
+    assert sharded.stats()["acked"]["reward"] == 4
 
 
 def test_sharded_capacity_is_exact_under_concurrent_feeders(ray_cluster: None) -> None:
