@@ -430,7 +430,13 @@ class RuntimeConfig(Section):
     """Ray mode: a role that does not answer a ping this long is killed and restarted."""
     claim_wait_s: float = Field(0.05, ge=0)
     """Ray mode: an empty claim waits up to this long inside the bus for matching rows (long
-    poll), instead of polling across processes."""
+    poll), instead of polling across processes. The rollout and the trainer use this wait:
+    what the rollout may claim also depends on the policy version, which the bus does not see."""
+    idle_wait_s: float = Field(1.0, ge=0)
+    """Ray mode: the same long poll for the roles whose work depends on the bus alone (reward,
+    reference, advantage), and the feeder's wait for the policy version that admits its next
+    batch. The change that gives them work wakes them at once, so a longer wait only means
+    fewer empty round trips; it also bounds how long such a role takes to notice a stop."""
 
     @model_validator(mode="after")
     def _placement_group_or_node(self) -> RuntimeConfig:

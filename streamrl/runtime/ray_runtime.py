@@ -89,6 +89,7 @@ class RoleActor:
                 weights,
                 start_step=start_step,
                 claim_wait_s=ctx.cfg.runtime.claim_wait_s,
+                idle_wait_s=ctx.cfg.runtime.idle_wait_s,
             )
         except Exception:
             log.exception("%s: could not be built", name)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.api.weights import wait_newer
+from streamrl.bus.transform import TransformRole
 from streamrl.data.feeder import PromptFeeder
 from streamrl.models.loading import load_tokenizer
 from streamrl.reward.service import RewardRole
@@ -107,13 +108,23 @@ def bus_capacity_groups(ctx: RunContext) -> int:
 
 
 def build_role(
-    name: str, ctx: RunContext, bus, weights, *, start_step: int, claim_wait_s: float = 0.0
+    name: str,
+    ctx: RunContext,
+    bus,
+    weights,
+    *,
+    start_step: int,
+    claim_wait_s: float = 0.0,
+    idle_wait_s: float | None = None,
 ):
-    """Build role `name`; `claim_wait_s` > 0 makes its empty claims long-poll the bus."""
+    """Build role `name`; `claim_wait_s` > 0 makes its empty claims long-poll the bus, for
+    `idle_wait_s` (default: the same) in roles that only the bus gives work to."""
     role = _build_role(name, ctx, bus, weights, start_step=start_step)
     target = role.role if isinstance(role, TrainerWithHooks) else role
     if hasattr(target, "claim_wait_s"):
-        target.claim_wait_s = claim_wait_s
+        bus_only = isinstance(target, TransformRole | FeederRole)
+        wait = idle_wait_s if bus_only and idle_wait_s is not None and claim_wait_s > 0 else None
+        target.claim_wait_s = claim_wait_s if wait is None else wait
     if hasattr(target, "prefetch_claims"):  # a long-polling bus is a Ray bus: thread-safe
         target.prefetch_claims = claim_wait_s > 0
     return role
