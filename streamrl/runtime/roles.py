@@ -122,12 +122,20 @@ def build_role(
     role = _build_role(name, ctx, bus, weights, start_step=start_step)
     target = role.role if isinstance(role, TrainerWithHooks) else role
     if hasattr(target, "claim_wait_s"):
-        bus_only = isinstance(target, TransformRole | FeederRole)
-        wait = idle_wait_s if bus_only and idle_wait_s is not None and claim_wait_s > 0 else None
-        target.claim_wait_s = claim_wait_s if wait is None else wait
+        target.claim_wait_s = long_poll_s(target, claim_wait_s, idle_wait_s)
     if hasattr(target, "prefetch_claims"):  # a long-polling bus is a Ray bus: thread-safe
         target.prefetch_claims = claim_wait_s > 0
     return role
+
+
+def long_poll_s(role, claim_wait_s: float, idle_wait_s: float | None) -> float:
+    """How long `role` waits inside the bus (or the weight service) when it has no work:
+    `idle_wait_s` for roles that only the bus, or a publish, gives work to (woken by it at
+    once), `claim_wait_s` for the others and wherever blocking is off (`claim_wait_s` = 0)."""
+    bus_only = isinstance(role, TransformRole | FeederRole)
+    if bus_only and idle_wait_s is not None and claim_wait_s > 0:
+        return idle_wait_s
+    return claim_wait_s
 
 
 def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):

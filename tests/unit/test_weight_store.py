@@ -89,6 +89,21 @@ def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None
     assert waits == [(5, 0.05)]
 
 
+def test_only_roles_that_the_bus_gives_work_to_wait_long() -> None:
+    from streamrl.reward.service import RewardRole
+    from streamrl.runtime.roles import long_poll_s
+    from streamrl.trainer.advantage import AdvantageRole
+
+    feeder = FeederRole(_RoomyBus(), _Feeder(), start_batch=0, end_batch=1)
+    for bus_only in (object.__new__(RewardRole), object.__new__(AdvantageRole), feeder):
+        assert long_poll_s(bus_only, 0.05, 1.0) == 1.0
+        assert long_poll_s(bus_only, 0.0, 1.0) == 0.0  # inline mode: never block
+        assert long_poll_s(bus_only, 0.05, None) == 0.05
+    from streamrl.rollout.service import RolloutRole
+
+    assert long_poll_s(object.__new__(RolloutRole), 0.05, 1.0) == 0.05  # needs its version
+
+
 class _CountingWeights:
     """The Ray store, counting the rollout's `fetch_newer` round trips."""
 
