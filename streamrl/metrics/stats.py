@@ -103,3 +103,80 @@ class Throughput:
     def _drop_older_than(self, cutoff: float) -> None:
         while self._events and self._events[0][0] <= cutoff:
             self._events.popleft()
+
+
+class SlowerSide:
+    """Which side of an asynchronous run sets its pace, and how busy that side is.
+
+    The run is cut into windows of at least `window_steps` training steps. In each window the
+    side (trainer, rollout) with the most busy time is the slower one; its busy time over the
+    window's wall time (at most 1) says how well the other side keeps it fed. Whole-run busy
+    fractions hide this when the slower side changes during a run: in the demo the trainer
+    is slower early, and the rollout once most groups stop needing a backward pass.
+
+    `add_step` takes one step's busy seconds per side; `close` ends the current window at wall
+    time `now` once it holds enough steps (call it where both sides' counters were read at the
+    same moment, so that neither side's work spills into the next window); `finish` keeps a
+    last, shorter window if a `close` ended it.
+    """
+
+    def __init__(self, start: float, window_steps: int = 10):
+        self.window_steps = window_steps
+        self.windows: list[tuple[int, int, float, dict[str, float]]] = []  # first, last, wall, busy
+        self._start = start
+        self._first: int | None = None
+        self._last = 0
+        self._busy: dict[str, float] = {}
+        self._tail_end: tuple[float, int] | None = None  # (now, last step) of a short close
+
+    def add_step(self, step: int, busy_s: dict[str, float]) -> None:
+        if self._first is None:
+            self._first = step
+        self._last = step
+        for side, seconds in busy_s.items():
+            self._busy[side] = self._busy.get(side, 0.0) + seconds
+
+    def close(self, now: float) -> None:
+        """End the window at `now` if it holds at least `window_steps` steps."""
+        if self._first is None:
+            return
+        if self._last - self._first + 1 < self.window_steps:
+            self._tail_end = (now, self._last)
+            return
+        self._end_window(now)
+
+    def finish(self) -> None:
+        """At the end of the run: keep the open window, shorter than `window_steps`, if a
+        `close` came after its last step."""
+        if self._first is not None and self._tail_end is not None:
+            now, last = self._tail_end
+            if last == self._last:
+                self._end_window(now)
+
+    def _end_window(self, now: float) -> None:
+        assert self._first is not None
+        self.windows.append((self._first, self._last, now - self._start, self._busy))
+        self._start, self._first, self._busy, self._tail_end = now, None, {}, None
+
+    def fraction(self) -> float | None:
+        """The slower side's busy fraction, weighted by wall time (None: no whole window)."""
+        wall = sum(w for _, _, w, _ in self.windows)
+        if not self.windows or wall <= 0:
+            return None
+        busy = sum(min(w, max(b.values(), default=0.0)) for _, _, w, b in self.windows)
+        return busy / wall
+
+    def describe(self) -> str:
+        """Which side was slower over which steps, e.g. "trainer 1-60 (96%), rollout 61-100 (93%)"."""
+        spans: list[list] = []  # [side, first, last, busy_s, wall_s]
+        for first, last, wall, busy in self.windows:
+            side = max(busy, key=busy.__getitem__) if busy else "none"
+            seconds = min(wall, busy.get(side, 0.0))
+            if spans and spans[-1][0] == side:
+                spans[-1][2:] = [last, spans[-1][3] + seconds, spans[-1][4] + wall]
+            else:
+                spans.append([side, first, last, seconds, wall])
+        return ", ".join(
+            f"{side} {first}-{last} ({busy / max(wall, 1e-9):.0%})"
+            for side, first, last, busy, wall in spans
+        )

@@ -26,9 +26,11 @@ from streamrl.metrics import (
     read_metrics,
     write_summary,
 )
+from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.runtime.errors import TrainerLost
 from streamrl.runtime.logs import attach_controller_log, detach, log_failure
+from streamrl.runtime.roles import base_role
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
 from streamrl.trainer.sft import cached_policy_dir, ensure_policy_dir
@@ -51,12 +53,26 @@ class RecordSink:
         self.dropped: dict[str, int] = {}
         self._last_time: float | None = None
         self._role_totals: dict[tuple[str, str], float] = {}
+        self.slower_side: SlowerSide | None = None  # from the first record on
 
     def _share(self, role: str, key: str, total: float) -> float:
         """This step's share of a role's cumulative counter (a restarted role counts anew)."""
         before = self._role_totals.get((role, key), 0.0)
         self._role_totals[role, key] = total
         return total - before if total >= before else total
+
+    def _add_to_slower_side(self, step: int, trainer_busy: float, record, metrics) -> None:
+        """Feed this step's busy time per side; a record that carries the other roles'
+        counters (the last of each drain) may end a window: both sides were read then."""
+        rollouts = [r for r in record.get("roles", {}) if base_role(r) == "rollout"]
+        shares = [metrics.get(f"time/{r}_busy_s", 0.0) for r in rollouts]
+        busy = {"trainer": trainer_busy}
+        if shares:  # replicas share the work: the side is as busy as its average replica
+            busy["rollout"] = sum(shares) / len(shares)
+        assert self.slower_side is not None
+        self.slower_side.add_step(step, busy)
+        if "roles" in record:
+            self.slower_side.close(time.perf_counter())
 
     def rewind(self, step: int) -> None:
         """The trainer resumes in place from the checkpoint of `step`: forget what came after
@@ -68,6 +84,8 @@ class RecordSink:
     def __call__(self, record: dict[str, Any]) -> None:
         step, metrics = record["step"], dict(record["metrics"])
         now = time.perf_counter()
+        if self.slower_side is None:
+            self.slower_side = SlowerSide(start=now)
         role_tokens: dict[str, float] = {}
         for role, stats in record.get("roles", {}).items():  # cumulative -> this step's share
             if stats.get("busy_s") is not None:
@@ -100,6 +118,7 @@ class RecordSink:
             elif self._last_time is not None:
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             self.trainer_busy_s += busy
+            self._add_to_slower_side(step, busy, record, metrics)
             for key, value in metrics.items():
                 if key.startswith("samples/dropped_"):
                     reason = key.removeprefix("samples/dropped_")
@@ -240,6 +259,9 @@ def _summary(
 ) -> dict[str, Any]:
     rollout = role_stats.get("rollout", {})
     rollout_busy, rollout_wait = rollout.get("busy_s"), rollout.get("wait_s")
+    sync = cfg.runtime.mode == "sync" or sink.slower_side is None
+    if not sync:
+        sink.slower_side.finish()
     return {
         "run_name": run_dir.name,
         "run_dir": str(run_dir),
@@ -258,6 +280,10 @@ def _summary(
         "num_malformed_dataset_rows": malformed,
         "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),
         "rollout_busy_fraction": (rollout_busy / rl_wall) if rollout_busy is not None else None,
+        # Per 10-step window the busier of trainer and rollout sets the pace: how busy it was
+        # (the synchronous loop runs them in turn, so there it means nothing).
+        "slower_side_busy_fraction": None if sync else sink.slower_side.fraction(),
+        "slower_side": None if sync else sink.slower_side.describe(),
         # The rollout held back by max_staleness, waiting for the trainer's next version.
         "rollout_wait_fraction": (rollout_wait / rl_wall) if rollout_wait is not None else None,
         "role_restarts": role_stats.get("restarts", {}),

@@ -46,8 +46,14 @@ from streamrl.runtime.recovery import (
     in_place_recovery,
     settle_trainer_rows,
 )
-from streamrl.runtime.roles import active_roles, bus_capacity_groups, bus_consumers, stall_message
-from streamrl.runtime.supervisor import Supervisor, base_role
+from streamrl.runtime.roles import (
+    active_roles,
+    base_role,
+    bus_capacity_groups,
+    bus_consumers,
+    stall_message,
+)
+from streamrl.runtime.supervisor import Supervisor
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
 log = logging.getLogger(__name__)
@@ -292,7 +298,10 @@ def run_ray(
             if supervisor.check(timeout_s=0.2):
                 break
             supervisor.reconcile(read_requests(ctx.run_dir))
-        for record in ray.get(supervisor.actors["trainer"].drain.remote()):
+        records = ray.get(supervisor.actors["trainer"].drain.remote())
+        if records:
+            records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
+        for record in records:
             on_record(record)
         train_wall_s = time.perf_counter() - loop_started
         stats = _role_stats(supervisor)

@@ -28,6 +28,11 @@ from streamrl.trainer.service import TrainerRole
 CONSUMERS = ("rollout", "reward", "advantage", "trainer")
 
 
+def base_role(name: str) -> str:
+    """`rollout#2` -> `rollout`: replicas share their role's code and bus consumer."""
+    return name.split("#", 1)[0]
+
+
 def active_roles(ctx: RunContext) -> tuple[str, ...]:
     """The consuming roles of this run: reference only with a KL term, pi_old only for
     decoupled PPO, the critic only for GAE."""

@@ -34,6 +34,7 @@ from ray.exceptions import RayActorError
 
 from streamrl.runtime.errors import RoleFailed, TrainerLost
 from streamrl.runtime.logs import log_path, supervisor_line
+from streamrl.runtime.roles import base_role
 from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,6 @@ def _wait_gone(actor, timeout_s: float = 10.0) -> None:
             continue
         time.sleep(0.1)
     log.warning("a killed actor still answers after %.0fs", timeout_s)
-
-
-def base_role(name: str) -> str:
-    """`rollout#2` -> `rollout`: replicas share their role's code and bus consumer."""
-    return name.split("#", 1)[0]
 
 
 class Supervisor:

@@ -41,6 +41,11 @@ def test_default_job_learns(tmp_path):
     # The rollout's time split cannot add up to more than the run (a little slack: the split
     # starts when the role's loop starts, shortly before the run's clock).
     assert 0 <= summary["rollout_busy_fraction"] + summary["rollout_wait_fraction"] <= 1.05
+    # Window by window the busier side is the slower one; every step is in some window.
+    assert 0 < summary["slower_side_busy_fraction"] <= 1
+    spans = [span.split() for span in summary["slower_side"].split(", ")]
+    assert {side for side, _, _ in spans} <= {"trainer", "rollout"}
+    assert spans[0][1].startswith("1-") and spans[-1][1].endswith(f"-{summary['num_steps']}")
     first, last = steps[:10], steps[-10:]
     assert sum(m["reward/mean"] for m in last) > sum(m["reward/mean"] for m in first)
 
