@@ -65,7 +65,11 @@ class RecordSink:
         """Feed this step's busy time per side; a record that carries the other roles'
         counters (the last of each drain) may end a window: both sides were read then."""
         rollouts = [r for r in record.get("roles", {}) if base_role(r) == "rollout"]
-        shares = [metrics.get(f"time/{r}_busy_s", 0.0) for r in rollouts]
+        # Loading new weights is the rollout's own work, as publishing them is the trainer's.
+        shares = [
+            metrics.get(f"time/{r}_busy_s", 0.0) + metrics.get(f"time/{r}_weights_s", 0.0)
+            for r in rollouts
+        ]
         busy = {"trainer": trainer_busy}
         if shares:  # replicas share the work: the side is as busy as its average replica
             busy["rollout"] = sum(shares) / len(shares)
@@ -90,6 +94,10 @@ class RecordSink:
         for role, stats in record.get("roles", {}).items():  # cumulative -> this step's share
             if stats.get("busy_s") is not None:
                 metrics[f"time/{role}_busy_s"] = self._share(role, "busy_s", stats["busy_s"])
+            if stats.get("weights_s") is not None:  # engines: fetching and loading weights
+                metrics[f"time/{role}_weights_s"] = self._share(
+                    role, "weights_s", stats["weights_s"]
+                )
             if stats.get("tokens") is not None:  # engines: tokens generated
                 role_tokens[role] = self._share(role, "tokens", stats["tokens"])
             if role == "critic" and stats.get("value_loss") == stats.get("value_loss"):  # not NaN
