@@ -8,6 +8,12 @@ are claimed anew). The only bound used is the trainer's version v: admission con
 every live batch at or below v + max_staleness. Nothing else is remembered, so a role restarted
 after a crash picks up wherever the pipeline is, with no saved state.
 
+A role whose work on a batch lives in a state file it saves only now and then (the critic) sets
+`defer_acks`: `ack_batch` then only marks the batch done, its leases are kept (and renewed), and
+`commit` acks every done batch once the state file holds them. A crash in between loses
+nothing: the runtime hands the role's leases back, and the restarted role, loaded from that
+file, collects and trains those batches again.
+
 Under dynamic sampling a training step may add refill rounds to its batch (same batch index,
 group ids `b<k>-r<round>-p<j>`); each round is collected and returned on its own, keyed
 `(batch_index, round)`, since it has as many groups as the feeder's batch.
@@ -15,11 +21,15 @@ group ids `b<k>-r<round>-p<j>`); each round is collected and returned on its own
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamrl.data.feeder import group_round
+
+log = logging.getLogger(__name__)
 
 BatchKey = tuple[int, int]
 """(batch index, refill round)."""
@@ -37,6 +47,7 @@ class BatchCollector:
         max_staleness: int,
         max_rows: int,
         lease_s: float,
+        defer_acks: bool = False,
     ):
         self.bus = bus
         self.weights = weights
@@ -50,10 +61,14 @@ class BatchCollector:
         # batch key -> rows held; lease id -> (batch key -> sample ids of that lease)
         self._rows: dict[BatchKey, list[Mapping[str, Any]]] = defaultdict(list)
         self._leases: dict[str, dict[BatchKey, list[str]]] = {}
+        self.defer_acks = defer_acks
+        self._done: dict[str, list[str]] = defaultdict(list)  # lease id -> rows of done batches
+        self._renewed = time.monotonic()
 
     def poll(self, wait_s: float = 0.0) -> tuple[BatchKey, list[Mapping[str, Any]]] | None:
         """Claim what is ready; return ((batch index, round), rows) of the oldest complete batch,
         or None. `claimed` tells whether this call took any rows."""
+        self._keep_leases()
         top = max(self.weights.latest_version(), 0) + self.max_staleness
         lease = self.bus.claim(
             self.consumer,
@@ -78,16 +93,42 @@ class BatchCollector:
         return None
 
     def ack_batch(self, b: BatchKey) -> None:
-        """Ack batch `b`'s rows; rows of other batches in the same leases go back to the bus."""
+        """Ack batch `b`'s rows; rows of other batches in the same leases go back to the bus.
+        With `defer_acks`, only mark them done: `commit` acks them."""
         for lease_id, by_batch in list(self._leases.items()):
             if b not in by_batch:
                 continue
-            self.bus.ack(lease_id, by_batch[b])
-            del self._leases[lease_id]
-            for other, sample_ids in by_batch.items():
-                if other != b:
-                    gone = set(sample_ids)
-                    self._rows[other] = [r for r in self._rows[other] if r["sample_id"] not in gone]
-                    if not self._rows[other]:
-                        del self._rows[other]
-        del self._rows[b]
+            if self.defer_acks:  # the lease keeps its other batches' rows until the commit
+                self._done[lease_id].extend(by_batch.pop(b))
+            else:
+                self._ack_lease(lease_id, by_batch[b])
+        self._rows.pop(b, None)
+
+    def commit(self) -> int:
+        """Ack the rows of every done batch (the caller's saved state now holds them); rows of
+        unfinished batches that shared their leases go back to the bus. Returns leases acked."""
+        done, self._done = self._done, defaultdict(list)
+        for lease_id, sample_ids in done.items():
+            self._ack_lease(lease_id, sample_ids)
+        return len(done)
+
+    def _ack_lease(self, lease_id: str, sample_ids: list[str]) -> None:
+        self.bus.ack(lease_id, sample_ids)
+        for other, ids in self._leases.pop(lease_id).items():
+            gone = set(ids)
+            kept = [r for r in self._rows.get(other, []) if r["sample_id"] not in gone]
+            if kept:
+                self._rows[other] = kept
+            else:
+                self._rows.pop(other, None)
+
+    def _keep_leases(self) -> None:
+        """Renew the leases of done batches (held until `commit`) every third of `lease_s`."""
+        if not self._done or time.monotonic() - self._renewed < self.lease_s / 3:
+            return
+        self._renewed = time.monotonic()
+        for lease_id in self._done:
+            try:
+                self.bus.renew(lease_id, self.lease_s)
+            except ValueError as e:  # expired while the role stalled: its rows may be redone
+                log.warning("lease %s of done batches not renewed: %s", lease_id, e)

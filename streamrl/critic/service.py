@@ -2,7 +2,10 @@
 
 Its model and optimizer are saved to `critic.pt` in the run directory every
 `trainer.checkpoint_every` of its steps and loaded when the role starts, so a restarted or
-resumed critic continues rather than starting over.
+resumed critic continues rather than starting over. In Ray mode with in-place recovery (the
+default) the batches it trained are acked only once `critic.pt` holds them: a critic that
+crashes between two saves trains those batches again from the saved state, so no step of its
+training is lost or repeated.
 
 The value model is the policy's own architecture with a one-output token-classification head
 (`AutoModelForTokenClassification`, `num_labels=1`), initialised from the policy directory with
@@ -17,6 +20,7 @@ and trains on whole batches whose `returns` the advantage role has written (cons
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +34,8 @@ from streamrl.api import fields as F
 from streamrl.bus.batches import BatchCollector
 from streamrl.trainer.algos.losses import value_loss
 from streamrl.trainer.logprobs import pack
+
+log = logging.getLogger(__name__)
 
 CONSUMER = "critic"
 TRAIN_CONSUMER = "critic_train"
@@ -161,14 +167,17 @@ class CriticRole:
         lease_s: float,
         state_path: Path | None = None,
         save_every: int = 0,
+        defer_acks: bool = False,
     ):
         self.bus = bus
         self.critic = critic
         # The critic keeps its own state file, so a restarted or resumed critic carries on. It
         # is saved every `save_every` of its steps, independently of the trainer's checkpoints,
         # so after a trainer resume it may be a few batches ahead of or behind the policy.
+        # With `defer_acks`, trained batches are acked only once the file holds them.
         self.state_path = state_path
         self.save_every = save_every
+        saving = state_path is not None and save_every > 0
         if state_path is not None and state_path.exists():
             critic.load(state_path)
         self.max_rows = max_rows
@@ -185,6 +194,7 @@ class CriticRole:
             max_staleness=max_staleness,
             max_rows=max_rows,
             lease_s=lease_s,
+            defer_acks=defer_acks and saving,
         )
 
     def step(self) -> bool:
@@ -213,13 +223,17 @@ class CriticRole:
         for lo in range(0, len(rows), self.max_rows):
             self.critic.accumulate(rows[lo : lo + self.max_rows])
         self.last_loss = self.critic.step()["critic/value_loss"]
+        self.batches.ack_batch(b)  # with defer_acks: acked by the commit after the next save
         if (
             self.state_path is not None
             and self.save_every
             and self.critic.steps % self.save_every == 0
         ):
             self.critic.save(self.state_path)
-        self.batches.ack_batch(b)
+            self.batches.commit()
+            log.info(
+                "critic: saved step %d (batch %d) to %s", self.critic.steps, b[0], self.state_path
+            )
         self.busy_s += time.perf_counter() - start
         return True
 

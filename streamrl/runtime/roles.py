@@ -19,7 +19,7 @@ from streamrl.reward.service import RewardRole
 from streamrl.rollout.service import RolloutRole
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.recovery import feeder_bound
+from streamrl.runtime.recovery import feeder_bound, in_place_recovery
 from streamrl.trainer.advantage import NORMALISER_FILE, AdvantageRole
 from streamrl.trainer.checkpoint import load_checkpoint
 from streamrl.trainer.hooks import TrainerHooks
@@ -204,6 +204,8 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             lease_s=rt.lease_s,
             state_path=ctx.run_dir / "critic.pt",
             save_every=cfg.trainer.checkpoint_every,
+            # The bus holds the rows no checkpoint covers yet only where the trainer's do too.
+            defer_acks=in_place_recovery(cfg),
         )
     if name == "advantage":
         return AdvantageRole(

@@ -163,3 +163,35 @@ def test_trainer_killed_resumes_from_its_checkpoint(tmp_path, quick_cache):
     for role in ("rollout", "reward", "advantage", "feeder"):
         assert (run_dir / "logs" / f"{role}.log").read_text().count(f"{role}: starting") == 1
     assert "resuming from" in (run_dir / "logs" / "controller.log").read_text()
+
+
+def test_critic_killed_between_saves_loses_no_training(tmp_path, quick_cache):
+    """PPO's critic acks a batch only once critic.pt holds it: killed between two saves, it
+    restarts from the file and trains those batches again, so every save that follows holds
+    exactly one critic step per batch (step n after batch n-1)."""
+    run_dir = tmp_path / "critic"
+    args = [
+        *QUICK,
+        f"run.cache_dir={quick_cache}",
+        "algorithm.preset=ppo",
+        "trainer.steps=24",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=4",
+    ]
+    proc = start(args, run_dir)
+    try:
+        kill_role(proc, run_dir, "critic", at_step=10)
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["role_restarts"] == {"critic": 1}
+    log = (run_dir / "logs" / "critic.log").read_text()
+    assert log.count("critic: starting") == 2
+    saves = [line.split("critic: saved step ")[1].split()[:3] for line in log.splitlines()
+             if "critic: saved step " in line]  # fmt: skip
+    saved = [(int(step), int(batch.rstrip(")"))) for step, _, batch in saves]
+    assert saved and saved[-1][0] >= 16
+    assert all(step == batch + 1 for step, batch in saved), saved
