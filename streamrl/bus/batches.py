@@ -2,7 +2,7 @@
 
 A batch is complete when every one of its groups has been claimed. Batches complete in any
 order (the rows of batch k+1 may be ready before those of batch k), so claimed rows are kept per
-batch until their batch is complete; then the caller writes its outputs and `ack_batch` acks
+batch until their batch is complete; then `ack_batch` writes the caller's outputs and acks
 exactly that batch's rows (rows of other batches that shared a lease become claimable again and
 are claimed anew). The only bound used is the trainer's version v: admission control keeps
 every live batch at or below v + max_staleness. Nothing else is remembered, so a role restarted
@@ -92,17 +92,25 @@ class BatchCollector:
                 return b, list(self._rows[b])
         return None
 
-    def ack_batch(self, b: BatchKey) -> None:
+    def ack_batch(self, b: BatchKey, writes: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Ack batch `b`'s rows; rows of other batches in the same leases go back to the bus.
-        With `defer_acks`, only mark them done: `commit` acks them."""
+        `writes` (the role's output fields) go out with the first ack, before any row is acked.
+        With `defer_acks`, the writes go out now and the rows are only marked done: `commit`
+        acks them."""
+        if writes and self.defer_acks:
+            self.bus.write(writes)
+            writes = None
         for lease_id, by_batch in list(self._leases.items()):
             if b not in by_batch:
                 continue
             if self.defer_acks:  # the lease keeps its other batches' rows until the commit
                 self._done[lease_id].extend(by_batch.pop(b))
             else:
-                self._ack_lease(lease_id, by_batch[b])
+                self._ack_lease(lease_id, by_batch[b], writes)
+                writes = None
         self._rows.pop(b, None)
+        if writes:  # no lease of `b` left to carry them (not expected): write them anyway
+            self.bus.write(writes)
 
     def commit(self) -> int:
         """Ack the rows of every done batch (the caller's saved state now holds them); rows of
@@ -112,8 +120,8 @@ class BatchCollector:
             self._ack_lease(lease_id, sample_ids)
         return len(done)
 
-    def _ack_lease(self, lease_id: str, sample_ids: list[str]) -> None:
-        self.bus.ack(lease_id, sample_ids)
+    def _ack_lease(self, lease_id: str, sample_ids: list[str], writes=None) -> None:
+        self.bus.ack(lease_id, sample_ids, writes=writes)
         for other, ids in self._leases.pop(lease_id).items():
             gone = set(ids)
             kept = [r for r in self._rows.get(other, []) if r["sample_id"] not in gone]

@@ -277,7 +277,6 @@ class AdvantageRole(TransformRole):
         updates = self.compute(rows)
         if self.normaliser_log is not None:  # saved before the trainer can see the batch
             self.normaliser_log.save()
-        self.bus.write(updates)
-        self.batches.ack_batch(key)
+        self.batches.ack_batch(key, writes=updates)
         self.busy_s += time.perf_counter() - start
         return True

@@ -26,9 +26,10 @@ def rows(b: int) -> list[dict]:
     ]
 
 
-def pipeline(num_batches: int) -> LocalBus:
+def pipeline(num_batches: int, *consumers: str) -> LocalBus:
     bus = LocalBus()
-    bus.register_consumer(CONSUMER)
+    for consumer in (CONSUMER, *consumers):
+        bus.register_consumer(consumer)
     for b in range(num_batches):
         bus.add_rows(rows(b))
     return bus
@@ -107,3 +108,15 @@ def test_without_deferral_ack_batch_acks_at_once() -> None:
     assert bus.stats()["rows_live"] == 2
     assert claimable(bus) == ["b1-s0", "b1-s1"]  # the shared lease's other rows went back
     assert c.commit() == 0
+
+
+def test_ack_batch_writes_the_outputs_of_every_row_then_acks() -> None:
+    bus = pipeline(2, "trainer")  # the trainer reads what the role writes
+    ready(bus, 0)
+    ready(bus, 1)
+    c = collector(bus, defer=False)
+    key, got = c.poll()
+    c.ack_batch(key, writes={r["sample_id"]: {F.ADVANTAGES: np.ones(2)} for r in got})
+    lease = bus.claim("trainer", [F.ADVANTAGES], 64)
+    assert sorted(r["sample_id"] for r in lease.rows) == ["b0-s0", "b0-s1"]
+    assert claimable(bus) == ["b1-s0", "b1-s1"]  # batch 0 acked by this consumer
