@@ -81,12 +81,14 @@ class FeederRole:
         self.claim_wait_s = 0.0
 
     def step(self) -> bool:
-        room = self.feeder.batch_prompts + self.reserve_groups
-        if self.next_batch >= self.end_batch or not self.bus.can_add(room):
+        if self.next_batch >= self.end_batch:
             return False
+        # The policy version first: while it rules the next batch out, the bus is not asked.
         if self.newest_batch is not None and self.next_batch > self.newest_batch():
             if self.wait_for_batch is not None and self.claim_wait_s > 0:
                 self.wait_for_batch(self.next_batch, self.claim_wait_s)
+            return False
+        if not self.bus.can_add(self.feeder.batch_prompts + self.reserve_groups):
             return False
         self.bus.add_rows(self.feeder.batch(self.next_batch))
         self.next_batch += 1
