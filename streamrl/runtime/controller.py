@@ -61,7 +61,7 @@ class RecordSink:
         self._role_totals[role, key] = total
         return total - before if total >= before else total
 
-    def _add_to_slower_side(self, step: int, trainer_busy: float, record, metrics) -> None:
+    def _add_to_slower_side(self, step: int, trainer_busy: float, record, metrics, now) -> None:
         """Feed this step's busy time per side; a record that carries the other roles'
         counters (the last of each drain) may end a window: both sides were read then."""
         rollouts = [r for r in record.get("roles", {}) if base_role(r) == "rollout"]
@@ -76,7 +76,7 @@ class RecordSink:
         assert self.slower_side is not None
         self.slower_side.add_step(step, busy)
         if "roles" in record:
-            self.slower_side.close(time.perf_counter())
+            self.slower_side.close(now)
 
     def rewind(self, step: int) -> None:
         """The trainer resumes in place from the checkpoint of `step`: forget what came after
@@ -126,7 +126,7 @@ class RecordSink:
             elif self._last_time is not None:
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             self.trainer_busy_s += busy
-            self._add_to_slower_side(step, busy, record, metrics)
+            self._add_to_slower_side(step, busy, record, metrics, now)
             for key, value in metrics.items():
                 if key.startswith("samples/dropped_"):
                     reason = key.removeprefix("samples/dropped_")
