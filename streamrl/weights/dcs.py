@@ -8,8 +8,7 @@ straight from the object store.
 
 from __future__ import annotations
 
-import asyncio
-import time
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,41 +58,27 @@ class InProcessWeights:
 
 
 class _WeightStoreActor:
-    """Ray actor body: the newest version and the object references of its buckets.
-
-    An asyncio actor: a caller waiting in `wait_newer` (each rollout replica's publish watcher
-    and admission wait, the feeder) holds no thread, so any number of them can wait while
-    `set` runs. The other methods are plain and quick; they run on the actor's event loop.
-    """
+    """Ray actor body: the newest version and the object references of its buckets."""
 
     def __init__(self) -> None:
         self.version = -1
         self.refs: list[Any] = []
-        self._published: asyncio.Event | None = None  # set, and replaced, by every new version
+        self._published = threading.Condition()
 
-    def _event(self) -> asyncio.Event:
-        if self._published is None:  # made on the actor's event loop, by its first caller
-            self._published = asyncio.Event()
-        return self._published
-
-    async def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
+    def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
         import ray
 
         if version > self.version:
             # Put by the actor, so the actor owns the objects and they outlive the trainer.
             refs = [ray.put(b) for b in buckets]
-            self.refs, self.version = refs, version
-            published, self._published = self._event(), asyncio.Event()
-            published.set()
+            with self._published:
+                self.refs, self.version = refs, version
+                self._published.notify_all()
 
-    async def wait_newer(self, have_version: int, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self.version <= have_version and (left := deadline - time.monotonic()) > 0:
-            try:
-                await asyncio.wait_for(self._event().wait(), left)
-            except TimeoutError:
-                break
-        return self.version
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        with self._published:
+            self._published.wait_for(lambda: self.version > have_version, timeout=timeout_s)
+            return self.version
 
     def get_if_newer(self, have_version: int) -> tuple[int, list[list[Any]]] | None:
         if self.version <= have_version:
@@ -115,8 +100,10 @@ class RayWeights:
     def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
         import ray
 
-        # An asyncio actor (its waits hold no thread): Ray lets it run up to 1,000 calls at once.
-        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
+        # Threaded: callers blocked in `wait_newer` must not hold up `set`. Each rollout replica
+        # holds up to two such waits (its publish watcher, its admission wait), the feeder one:
+        # 64 threads leave room for about 30 replicas (a wait returns within its timeout anyway).
+        actor = ray.remote(num_cpus=0, max_concurrency=64)(_WeightStoreActor).remote()
         return cls(actor, bucket_bytes)
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
