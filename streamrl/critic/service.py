@@ -177,7 +177,7 @@ class CriticRole:
         # With `defer_acks`, trained batches are acked only once the file holds them.
         self.state_path = state_path
         self.save_every = save_every
-        saving = state_path is not None and save_every > 0
+        self.saving = state_path is not None and save_every > 0
         if state_path is not None and state_path.exists():
             critic.load(state_path)
         self.max_rows = max_rows
@@ -194,7 +194,7 @@ class CriticRole:
             max_staleness=max_staleness,
             max_rows=max_rows,
             lease_s=lease_s,
-            defer_acks=defer_acks and saving,
+            defer_acks=defer_acks and self.saving,
         )
 
     def step(self) -> bool:
@@ -224,11 +224,8 @@ class CriticRole:
             self.critic.accumulate(rows[lo : lo + self.max_rows])
         self.last_loss = self.critic.step()["critic/value_loss"]
         self.batches.ack_batch(b)  # with defer_acks: acked by the commit after the next save
-        if (
-            self.state_path is not None
-            and self.save_every
-            and self.critic.steps % self.save_every == 0
-        ):
+        if self.saving and self.critic.steps % self.save_every == 0:
+            assert self.state_path is not None
             self.critic.save(self.state_path)
             self.batches.commit()
             log.info(

@@ -287,13 +287,12 @@ def run_ray(
         last_record = time.perf_counter()
         while True:
             try:
-                records = ray.get(supervisor.actors["trainer"].drain.remote())
+                records = _drain_trainer(supervisor)
             except RayActorError as e:
                 # Restarts it in place (or raises TrainerLost: the controller restarts all).
                 supervisor.failed("trainer", f"process died ({type(e).__name__})")
                 continue
-            if records:  # cumulative busy time of the other roles, for per-step time per role
-                records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
+            if records:
                 supervisor.write_status()
             for record in records:
                 on_record(record)
@@ -303,10 +302,7 @@ def run_ray(
             if supervisor.check(timeout_s=0.2):
                 break
             supervisor.reconcile(read_requests(ctx.run_dir))
-        records = ray.get(supervisor.actors["trainer"].drain.remote())
-        if records:
-            records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
-        for record in records:
+        for record in _drain_trainer(supervisor):
             on_record(record)
         train_wall_s = time.perf_counter() - loop_started
         stats = _role_stats(supervisor)
@@ -380,6 +376,15 @@ def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]
 
     host = "127.0.0.1" if is_loopback(publisher.host) else trainer_info["node"]
     return TcpSubscriber(host, trainer_info["weights_port"], publisher.token)
+
+
+def _drain_trainer(supervisor: Supervisor) -> list[dict[str, Any]]:
+    """The trainer's new records; the last carries the other roles' cumulative counters, read
+    now, from which the driver takes each step's share of their busy time."""
+    records = ray.get(supervisor.actors["trainer"].drain.remote())
+    if records:
+        records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
+    return records
 
 
 def _role_stats(supervisor: Supervisor, exclude: str = "") -> dict[str, Any]:
