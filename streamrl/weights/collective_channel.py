@@ -75,9 +75,8 @@ class _DirectoryActor(_WeightStoreActor):
 
     def set_tagged(self, version: int, buckets: list[dict[str, Any]], epoch: int | None) -> bool:
         """Hold `version` if newer than the held one; False (nothing done) otherwise."""
-        if version <= self.version:
+        if not self._hold(version, buckets):
             return False
-        self.set(version, buckets)
         self.epoch_of_version = epoch
         return True
 
@@ -114,8 +113,8 @@ class _DirectoryActor(_WeightStoreActor):
 class GroupDirectory(RayWeights):
     """Client of the directory actor; picklable (holds only the actor handle)."""
 
-    # The directory actor runs one call at a time, so a caller blocked in it would hold up
-    # publishes: callers poll instead (`api.weights.wait_newer` returns at once).
+    # Engines poll the directory (`api.weights.wait_newer` returns at once): a version held here
+    # may still be on its way over the group, so a wake-up at its publish would come too early.
     wait_newer = None
 
     @classmethod

@@ -8,7 +8,8 @@ straight from the object store.
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,27 +59,47 @@ class InProcessWeights:
 
 
 class _WeightStoreActor:
-    """Ray actor body: the newest version and the object references of its buckets."""
+    """Ray actor body: the newest version and the object references of its buckets.
+
+    An asyncio actor: a caller waiting in `wait_newer` (each rollout replica's publish watcher
+    and admission wait, the feeder) holds no thread, so any number of them can wait while a
+    publish runs. Every other method is plain and quick and runs on the actor's event loop;
+    subclasses hold a version through `_hold` (a plain method, so they need not be async).
+    """
 
     def __init__(self) -> None:
         self.version = -1
         self.refs: list[Any] = []
-        self._published = threading.Condition()
+        self._published: asyncio.Event | None = None  # set, and replaced, by every new version
 
-    def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
+    def _event(self) -> asyncio.Event:
+        if self._published is None:  # made on the actor's event loop, by its first caller
+            self._published = asyncio.Event()
+        return self._published
+
+    def _hold(self, version: int, buckets: list[dict[str, Any]]) -> bool:
+        """Hold `version` and wake its waiters if it is newer than the held one."""
         import ray
 
-        if version > self.version:
-            # Put by the actor, so the actor owns the objects and they outlive the trainer.
-            refs = [ray.put(b) for b in buckets]
-            with self._published:
-                self.refs, self.version = refs, version
-                self._published.notify_all()
+        if version <= self.version:
+            return False
+        # Put by the actor, so the actor owns the objects and they outlive the trainer.
+        self.refs, self.version = [ray.put(b) for b in buckets], version
+        published, self._published = self._event(), asyncio.Event()
+        published.set()
+        return True
 
-    def wait_newer(self, have_version: int, timeout_s: float) -> int:
-        with self._published:
-            self._published.wait_for(lambda: self.version > have_version, timeout=timeout_s)
-            return self.version
+    async def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
+        self._hold(version, buckets)
+
+    async def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.version <= have_version and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self._event().wait(), left)
+            except TimeoutError:
+                break
+        return self.version
 
     def get_if_newer(self, have_version: int) -> tuple[int, list[list[Any]]] | None:
         if self.version <= have_version:
@@ -100,10 +121,8 @@ class RayWeights:
     def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
         import ray
 
-        # Threaded: callers blocked in `wait_newer` must not hold up `set`. Each rollout replica
-        # holds up to two such waits (its publish watcher, its admission wait), the feeder one:
-        # 64 threads leave room for about 30 replicas (a wait returns within its timeout anyway).
-        actor = ray.remote(num_cpus=0, max_concurrency=64)(_WeightStoreActor).remote()
+        # An asyncio actor (its waits hold no thread): Ray runs up to 1,000 of its calls at once.
+        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
         return cls(actor, bucket_bytes)
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:

@@ -10,9 +10,7 @@ from streamrl.weights.collective_channel import _DirectoryActor
 
 
 def directory() -> _DirectoryActor:
-    d = _DirectoryActor()
-    d.set = lambda version, buckets: setattr(d, "version", version)  # no object store here
-    return d
+    return _DirectoryActor()  # its versions come with no buckets here: no object store needed
 
 
 def test_only_newer_versions_are_held_and_a_failed_broadcast_untags():

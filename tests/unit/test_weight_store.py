@@ -14,6 +14,7 @@ import ray
 
 from streamrl.api.weights import wait_newer
 from streamrl.runtime.roles import FeederRole
+from streamrl.weights.collective_channel import GroupDirectory
 from streamrl.weights.dcs import InProcessWeights, RayWeights
 
 
@@ -52,6 +53,29 @@ def test_wait_newer_times_out_with_the_held_version(weights: RayWeights) -> None
     assert weights.wait_newer(have, 0.3) == have
     assert time.monotonic() - started >= 0.29
     assert weights.wait_newer(have - 1, 30.0) == have  # already newer: no wait
+
+
+def test_many_waiters_do_not_hold_up_the_publish_that_wakes_them(weights: RayWeights) -> None:
+    # More waiters than a threaded actor's 64 threads (the store was one): each would hold a
+    # thread until its timeout, and the publish would queue behind them.
+    have = weights.latest_version()
+    waits = [weights.handle.wait_newer.remote(have, 60.0) for _ in range(150)]
+    time.sleep(0.5)  # let them all start waiting
+    weights.publish(have + 1, {"w": np.zeros(2)})
+    assert ray.get(waits, timeout=30) == [have + 1] * 150
+
+
+def test_the_collective_directory_holds_tagged_versions_on_the_same_async_actor(
+    weights: RayWeights,
+) -> None:
+    # Its actor subclasses the store's: holding a version must stay a plain call there (an async
+    # `set` called from `set_tagged` would be a coroutine nobody awaits, holding nothing).
+    directory = GroupDirectory.create()
+    assert directory.publish_tagged(4, {"w": np.ones(3)}, epoch=2)
+    assert directory.call("state") == (4, 2)
+    version, tensors = directory.fetch_newer(3)
+    assert version == 4 and np.array_equal(tensors["w"], np.ones(3))
+    assert not directory.publish_tagged(4, {"w": np.zeros(3)}, epoch=None)  # not newer
 
 
 def test_wait_newer_helper_skips_services_that_cannot_wait() -> None:
