@@ -1,11 +1,16 @@
 """The critic role: a value model for PPO, scoring responses and learning from GAE returns.
 
-Its model and optimizer are saved to `critic.pt` in the run directory every
-`trainer.checkpoint_every` of its steps and loaded when the role starts, so a restarted or
-resumed critic continues rather than starting over. In Ray mode with in-place recovery (the
-default) the batches it trained are acked only once `critic.pt` holds them: a critic that
-crashes between two saves trains those batches again from the saved state, so no step of its
-training is lost or repeated.
+Its model and optimizer are saved in the run directory at the same batch boundaries as the
+trainer's checkpoints: `critic/step-<k>.pt` holds the critic once it has trained every batch
+before k (k a multiple of `trainer.checkpoint_every`; batches past k it had already trained
+are listed in the file). So each role restores the state that matches what it is given:
+
+- restarted by the supervisor mid-run, the critic loads its newest file. In Ray mode with
+  in-place recovery (the default) it acks a trained batch only once a file holds it, so the
+  batches trained after that file are handed back and trained again: nothing lost or repeated.
+- in a run resumed from the trainer's checkpoint k (`streamrl train --resume`), it loads
+  `step-k`, the critic that had trained exactly the batches the policy had, and trains batch k
+  on (a warning says how far off it is when that file is missing).
 
 The value model is the policy's own architecture with a one-output token-classification head
 (`AutoModelForTokenClassification`, `num_labels=1`), initialised from the policy directory with
@@ -31,7 +36,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from streamrl.api import fields as F
-from streamrl.bus.batches import BatchCollector
+from streamrl.bus.batches import BatchCollector, BatchKey
 from streamrl.trainer.algos.losses import value_loss
 from streamrl.trainer.logprobs import pack
 
@@ -128,22 +133,57 @@ class Critic:
         self._loss_sum, self._tokens = 0.0, 0.0
         return out
 
-    def save(self, path: Path) -> None:
-        """Model, optimizer and steps taken, written atomically (a crash leaves the old file)."""
+    def save(self, path: Path, **meta: Any) -> None:
+        """Model, optimizer, steps taken and `meta`, written atomically (a crash leaves the
+        old file)."""
         tmp = path.with_suffix(".tmp")
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
+            "meta": meta,
         }
         torch.save(state, tmp)
         tmp.replace(path)
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore from `path`; return the `meta` it was saved with."""
         state = torch.load(path, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
+        return dict(state.get("meta", {}))
+
+
+class CriticSnapshots:
+    """`critic/step-<k>.pt` files: the critic before batch k, the newest `KEEP` of them."""
+
+    KEEP = 4  # the trainer keeps 2 checkpoints; the critic may run a batch or two ahead of it
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def save(self, critic: Critic, boundary: int, ahead: list[int]) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f"step-{boundary:06d}.pt"
+        critic.save(path, next_batch=boundary, ahead=ahead)
+        for old in self._all()[: -self.KEEP]:
+            old[1].unlink(missing_ok=True)
+        return path
+
+    def pick(self, resume_step: int | None) -> tuple[int, Path] | None:
+        """The newest snapshot (None), else the one before batch `resume_step`, or the nearest
+        below it, or the oldest above it."""
+        found = self._all()
+        if not found:
+            return None
+        if resume_step is None:
+            return found[-1]
+        below = [f for f in found if f[0] <= resume_step]
+        return below[-1] if below else found[0]
+
+    def _all(self) -> list[tuple[int, Path]]:
+        return sorted((int(p.stem.split("-")[1]), p) for p in self.root.glob("step-*.pt"))
 
 
 def _pad(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
@@ -165,21 +205,24 @@ class CriticRole:
         max_staleness: int,
         max_rows: int,
         lease_s: float,
-        state_path: Path | None = None,
+        state_dir: Path | None = None,
         save_every: int = 0,
+        start_batch: int = 0,
+        resume_step: int | None = None,
         defer_acks: bool = False,
     ):
         self.bus = bus
         self.critic = critic
-        # The critic keeps its own state file, so a restarted or resumed critic carries on. It
-        # is saved every `save_every` of its steps, independently of the trainer's checkpoints,
-        # so after a trainer resume it may be a few batches ahead of or behind the policy.
-        # With `defer_acks`, trained batches are acked only once the file holds them.
-        self.state_path = state_path
+        # With `defer_acks`, trained batches are acked only once a state file holds them.
+        self.snapshots = CriticSnapshots(state_dir) if state_dir is not None else None
         self.save_every = save_every
-        self.saving = state_path is not None and save_every > 0
-        if state_path is not None and state_path.exists():
-            critic.load(state_path)
+        self.saving = self.snapshots is not None and save_every > 0
+        # Every batch before `next_batch` is trained; `ahead` holds those trained past it.
+        self.next_batch = start_batch
+        self.ahead: set[int] = set()
+        if self.snapshots is not None:
+            restarted = bus.stats()["acked"].get(TRAIN_CONSUMER, 0) > 0
+            self._restore(self.snapshots, None if restarted else resume_step)
         self.max_rows = max_rows
         self.lease_s = lease_s
         self.claim_wait_s = 0.0
@@ -224,15 +267,65 @@ class CriticRole:
             self.critic.accumulate(rows[lo : lo + self.max_rows])
         self.last_loss = self.critic.step()["critic/value_loss"]
         self.batches.ack_batch(b)  # with defer_acks: acked by the commit after the next save
-        if self.saving and self.critic.steps % self.save_every == 0:
-            assert self.state_path is not None
-            self.critic.save(self.state_path)
+        boundary = self._trained(b)
+        if self.saving and boundary is not None:
+            assert self.snapshots is not None
+            ahead = [*range(boundary, self.next_batch), *sorted(self.ahead)]
+            path = self.snapshots.save(self.critic, boundary, ahead)
             self.batches.commit()
             log.info(
-                "critic: saved step %d (batch %d) to %s", self.critic.steps, b[0], self.state_path
+                "critic: saved before batch %d (%d steps, ahead: %s) to %s",
+                boundary,
+                self.critic.steps,
+                ahead,
+                path,
             )
         self.busy_s += time.perf_counter() - start
         return True
+
+    def _trained(self, b: BatchKey) -> int | None:
+        """Note batch `b` trained; return the save boundary (a multiple of `save_every`) that
+        `next_batch` just passed, if any. Refill rounds (b[1] > 0) count with their batch."""
+        if b[1] != 0 or b[0] < self.next_batch:
+            return None
+        before = self.next_batch
+        self.ahead.add(b[0])
+        self._advance()
+        if self.save_every <= 0 or self.next_batch // self.save_every == before // self.save_every:
+            return None
+        return self.next_batch // self.save_every * self.save_every
+
+    def _advance(self) -> None:
+        while self.next_batch in self.ahead:
+            self.ahead.discard(self.next_batch)
+            self.next_batch += 1
+
+    def _restore(self, snapshots: CriticSnapshots, resume_step: int | None) -> None:
+        """The newest snapshot (a fresh start or a restart), or the one for `resume_step`."""
+        found = snapshots.pick(resume_step)
+        if found is None:
+            if resume_step is not None and resume_step > 0:
+                log.warning(
+                    "critic: no saved state to resume from at batch %d; it starts untrained",
+                    resume_step,
+                )
+            return
+        boundary, path = found
+        meta = self.critic.load(path)
+        ahead = {int(k) for k in meta.get("ahead", [])}
+        if resume_step is None:
+            self.next_batch, self.ahead = boundary, ahead
+            self._advance()
+        elif boundary != resume_step or ahead:
+            log.warning(
+                "critic: resuming at batch %d from %s (the critic trained on the batches before "
+                "%d, and on %s): its training differs from the policy's by those batches",
+                resume_step,
+                path.name,
+                boundary,
+                sorted(ahead) or "none after",
+            )
+        log.info("critic: restored %s (%d steps)", path, self.critic.steps)
 
     def stats(self) -> dict[str, Any]:
         return {"busy_s": self.busy_s, "value_loss": self.last_loss}

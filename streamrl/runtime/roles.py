@@ -204,8 +204,10 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             max_staleness=cfg.rollout.max_staleness,
             max_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
             lease_s=rt.lease_s,
-            state_path=ctx.run_dir / "critic.pt",
+            state_dir=ctx.run_dir / "critic",
             save_every=cfg.trainer.checkpoint_every,
+            start_batch=start_step,
+            resume_step=start_step if ctx.checkpoint is not None else None,
             # The bus holds the rows no checkpoint covers yet only where the trainer's do too.
             defer_acks=in_place_recovery(cfg),
         )

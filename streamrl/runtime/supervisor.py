@@ -7,7 +7,7 @@ within `runtime.health_timeout_s` (a hung process is killed, then handled as dea
 - A stateless role (feeder, rollout, reward, reference, logp, advantage) is restarted in place:
   its open leases are handed back to the bus at once, so its rows are served again, and the new
   process pulls the current weights. The critic restarts the same way and
-  continues from its own state file (`critic.pt`).
+  continues from its newest state file (`critic/step-<k>.pt`).
 - The trainer is stateful. With `resume_trainer` (`runtime.trainer_recovery=in_place`) it is
   restarted alone from its latest checkpoint, the other roles running on (`runtime/recovery.py`
   says how the bus and the logs are rewound); without it `TrainerLost` is raised and the
@@ -189,7 +189,7 @@ class Supervisor:
             # are idempotent, a row is trained once), it only repeats some work.
             base = base_role(name)
             released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
-            note = " (the critic continues from its last critic.pt)" if name == "critic" else ""
+            note = " (the critic continues from its newest saved state)" if name == "critic" else ""
             self._event(name, reason, f"{restart}; {released} leases handed back{note}")
         time.sleep(delay)
         self.start([name])

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 from tests.integration.conftest import QUICK, REPO, cli_env, read_jsonl, run_cli
 
@@ -37,14 +38,10 @@ def _trained(run_dir) -> Counter:
     return ids
 
 
-def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
-    cache = f"run.cache_dir={quick_cache}"
-    reference = tmp_path / "uninterrupted"
-    run_cli(["train", *ARGS, cache, f"run.run_dir={reference}"])
-
-    crashed = tmp_path / "crashed"
+def _kill_at_checkpoint(run_dir, args: list[str], step: int) -> None:
+    """Start `streamrl train`, SIGKILL its whole process group once checkpoint `step` exists."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.cli", "train", *ARGS, cache, f"run.run_dir={crashed}"],
+        [sys.executable, "-m", "streamrl.cli", "train", *args, f"run.run_dir={run_dir}"],
         cwd=REPO,
         env=cli_env(),
         stdout=subprocess.DEVNULL,
@@ -53,13 +50,22 @@ def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
     )
     try:
         deadline = time.monotonic() + 300
-        while not (crashed / "checkpoints" / "step-000008").is_dir():
+        while not (run_dir / "checkpoints" / f"step-{step:06d}").is_dir():
             assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint at step 8 within 300 s"
+            assert time.monotonic() < deadline, f"no checkpoint at step {step} within 300 s"
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
+    cache = f"run.cache_dir={quick_cache}"
+    reference = tmp_path / "uninterrupted"
+    run_cli(["train", *ARGS, cache, f"run.run_dir={reference}"])
+
+    crashed = tmp_path / "crashed"
+    _kill_at_checkpoint(crashed, [*ARGS, cache], 8)
     steps_logged = [line["step"] for line in read_jsonl(crashed / "trained_samples.jsonl")]
     assert max(steps_logged) < 16, "the run finished before the kill; nothing was tested"
 
@@ -70,3 +76,24 @@ def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
     expected = _trained(reference)
     assert sum(expected.values()) == 16 * 4 * 4
     assert _trained(crashed) == expected
+
+
+def test_a_resumed_ppo_run_restores_the_critic_of_the_same_batches(tmp_path, quick_cache):
+    # The critic may have saved a later state than the trainer's checkpoint when the job died
+    # (it can run a batch or two ahead); the resumed critic must be the one that had trained
+    # exactly the batches before the checkpoint, so that it ends with one step per batch.
+    run_dir = tmp_path / "ppo"
+    args = [
+        *ARGS,
+        "algorithm.preset=ppo",
+        "trainer.checkpoint_every=2",
+        f"run.cache_dir={quick_cache}",
+    ]
+    _kill_at_checkpoint(run_dir, args, 8)
+    run_cli(["train", "--resume", str(run_dir)])
+
+    state = torch.load(run_dir / "critic" / "step-000016.pt", weights_only=True)
+    assert state["meta"] == {"next_batch": 16, "ahead": []}
+    assert state["steps"] == 16  # one critic step per batch: none repeated, none skipped
+    log = (run_dir / "logs" / "critic.log").read_text()
+    assert "critic: restored" in log and "step-000008.pt" in log

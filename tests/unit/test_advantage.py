@@ -183,9 +183,9 @@ def test_critic_state_round_trips(tmp_path) -> None:
     critic.accumulate(rows)
     loss = critic.step()["critic/value_loss"]
     assert loss == pytest.approx(0.5)  # values start at 0, returns are 1: 0.5 * 1^2 per token
-    critic.save(tmp_path / "critic.pt")
+    critic.save(tmp_path / "critic.pt", next_batch=1, ahead=[3])
     restored = make()
-    restored.load(tmp_path / "critic.pt")
+    assert restored.load(tmp_path / "critic.pt") == {"next_batch": 1, "ahead": [3]}
     assert restored.steps == 1
     for key, value in critic.values(rows).items():
         np.testing.assert_array_equal(restored.values(rows)[key][F.VALUES], value[F.VALUES])
