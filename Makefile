@@ -33,9 +33,10 @@ demo: $(STAMP)
 
 ## The whole test suite (unit, contract, integration; the vLLM engine's tests too), then lint.
 ## STREAMRL_REQUIRE_VLLM=1: a missing vLLM fails those tests instead of skipping them.
+## --durations lists the slowest tests, so CI's 30-minute budget shows where it goes.
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
-	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider tests
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 tests
 
 ## Only the vLLM engine's tests (unit and integration; part of `make test`).
 test-vllm: $(VLLM_STAMP)
