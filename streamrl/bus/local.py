@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from streamrl.api.bus import (
     ROW_META_KEYS,
@@ -49,13 +49,6 @@ assert set(_WHERE_FUNCS) == set(WHERE_OPS)
 
 _ROW_KEYS = frozenset({"sample_id", "group_id", "group_size", "batch_index", "fields"})
 _STATE_VERSION = 1
-WAKE_CAP_S = 0.05  # a waiting claim re-checks at least this often (a lease may have expired)
-
-
-class Waiter(Protocol):
-    """What a waiting claim registers: woken (under the bus's lock) when its fields change."""
-
-    def notify(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -103,7 +96,7 @@ class LocalBus:
         self._lock = threading.RLock()
         # Claims waiting (wait_s > 0) for rows: the fields they need and how to wake them. A
         # change wakes only waiters whose fields it touched, so idle roles cost nothing.
-        self._waiters: list[tuple[frozenset[str], Waiter]] = []
+        self._waiters: list[tuple[frozenset[str], threading.Condition]] = []
         self._closed = False
         self._next_seq = 0
         self._rows: dict[str, _Row] = {}
@@ -206,46 +199,28 @@ class LocalBus:
             raise TypeError(f"fields must be a sequence of field names, got the string {fields!r}")
         fields = tuple(fields)
         predicates = _where_predicates(where)
-        with self._locked():
-            return self._wait_until(
-                fields,
-                wait_s,
-                lambda: self._try_claim(
-                    consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
-                ),
-            )
-
-    def watch(self, fields: Sequence[str], waiter: Waiter) -> None:
-        """Call `waiter.notify()` (under the bus's lock) at every change to one of `fields`, and
-        at every change that may make any row claimable, until `unwatch`. For callers that wait
-        their own way (the Ray shard's asyncio loop) instead of in `claim(wait_s=...)`."""
-        with self._lock:
-            self._waiters.append((frozenset(fields), waiter))
-
-    def unwatch(self, waiter: Waiter) -> None:
-        with self._lock:
-            self._waiters[:] = [w for w in self._waiters if w[1] is not waiter]
-
-    def _wait_until(self, fields: Sequence[str], wait_s: float, attempt: Callable[[], Any]) -> Any:
-        """`attempt()` now, then after each change to one of `fields` (and every 50 ms, for
-        lease expiry) until it returns something true or `wait_s` passes; its last result.
-        The caller holds the lock, which the waits release."""
         deadline = time.monotonic() + wait_s
-        result = attempt()
-        if result or wait_s <= 0:
-            return result
-        waiter = (frozenset(fields), threading.Condition(self._lock))
-        self._waiters.append(waiter)
-        try:
-            while not result and (remaining := deadline - time.monotonic()) > 0:
-                waiter[1].wait(min(remaining, WAKE_CAP_S))
-                if self._closed:
-                    raise RuntimeError("the bus is closed")
-                self._expire_leases()
-                result = attempt()
-        finally:
-            self._waiters.remove(waiter)
-        return result
+        with self._locked():
+            lease = self._try_claim(
+                consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
+            )
+            if lease is not None or wait_s <= 0:
+                return lease
+            waiter = (frozenset(fields), threading.Condition(self._lock))
+            self._waiters.append(waiter)
+            try:
+                while lease is None and (remaining := deadline - time.monotonic()) > 0:
+                    # Woken by a change to one of `fields`; the cap re-checks lease expiry.
+                    waiter[1].wait(min(remaining, 0.05))
+                    if self._closed:
+                        raise RuntimeError("the bus is closed")
+                    self._expire_leases()
+                    lease = self._try_claim(
+                        consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
+                    )
+            finally:
+                self._waiters.remove(waiter)
+            return lease
 
     def _try_claim(
         self, consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
@@ -408,9 +383,9 @@ class LocalBus:
 
     def _wake(self, fields: set[str] | None) -> None:
         """Wake waiting claims that need one of `fields` (None: all). Caller holds the lock."""
-        for needed, waiter in self._waiters:
+        for needed, condition in self._waiters:
             if fields is None or needed & fields:
-                waiter.notify()
+                condition.notify()
 
     def _register(self, name: str) -> None:
         if name not in self._pending:

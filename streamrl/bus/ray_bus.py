@@ -92,7 +92,7 @@ class RayBus:
         closed_leases_kept: int = 10_000,
         inline_bytes: int = 256 * 1024,
         payload_owner: PayloadOwner = "keeper",
-        max_concurrency: int = 1000,
+        max_concurrency: int = 64,
     ) -> RayBus:
         """Start ``shards`` shard actors (no CPU reserved: they mostly wait).
 
@@ -105,8 +105,8 @@ class RayBus:
                 larger ones go through the object store (``streamrl.bus.payload``).
             payload_owner: who owns object-store payloads: ``"keeper"`` (survives the writer)
                 or ``"writer"`` (cheaper; lost if the writer dies).
-            max_concurrency: calls each shard actor runs at once (Ray's default for an asyncio
-                actor); a claim waiting for rows (``wait_s``) counts, but holds no thread.
+            max_concurrency: threads of each shard actor. A claim that waits for rows
+                (``wait_s``) holds one, so give it more than the calls clients keep in flight.
         """
         if not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards must be an int >= 1, got {shards!r}")

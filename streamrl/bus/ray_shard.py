@@ -9,9 +9,9 @@ as ``WireSlot``s plus one list of unique refs.
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from streamrl.api.bus import BusFullError
 from streamrl.bus import samplers
-from streamrl.bus.local import WAKE_CAP_S
 from streamrl.bus.payload import PayloadKeeper, PayloadOwner, to_wire
 from streamrl.bus.shard import ShardBus
 
@@ -48,33 +47,10 @@ class ClaimReply:
     shard_now: float
 
 
-class _Wake:
-    """A waiting call's wake-up: the shard's ``ShardBus`` calls ``notify`` (on the actor's event
-    loop, the one thread that runs every call) when a field the call needs changes."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-
-    async def wait(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._event.wait(), timeout_s)
-        except TimeoutError:
-            pass
-        self._event.clear()
-
-
 class BusShard:
     """Ray actor holding one shard; each method is one call from a ``RayBus`` client, or, for
     ``plan_add`` and ``add_rows_at``, from shard 0. Shard 0 also coordinates sharded adds and
-    owns the per-node ``PayloadKeeper``s.
-
-    An asyncio actor: every call runs on one event loop, one at a time, and the calls that wait
-    for rows (``claim`` with ``wait_s``, ``wait_ready``) await a wake-up instead of holding a
-    thread, so any number of role replicas can wait at once. Every other call is plain and quick.
-    """
+    owns the per-node ``PayloadKeeper``s."""
 
     def __init__(
         self,
@@ -91,9 +67,10 @@ class BusShard:
         self._bus = ShardBus(capacity_groups=own_capacity, closed_leases_kept=closed_leases_kept)
         self._shards: list[ray.actor.ActorHandle] = []
         self._options: BusOptions | None = None
-        self._admission: asyncio.Lock | None = None  # made on the event loop, by the first add
+        self._admission = threading.Lock()
         self._next_seq = 0
         self._keepers: dict[str, ray.actor.ActorHandle] = {}
+        self._keepers_lock = threading.Lock()
 
     # -- topology (shard 0) ------------------------------------------------------------------
 
@@ -107,12 +84,13 @@ class BusShard:
     def keeper(self, node_id: str) -> ray.actor.ActorHandle:
         """The ``PayloadKeeper`` of node ``node_id``, started on first use. This actor owns it,
         so it lives exactly as long as the bus."""
-        if node_id not in self._keepers:
-            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            self._keepers[node_id] = _RemoteKeeper.options(
-                num_cpus=0, scheduling_strategy=strategy
-            ).remote()
-        return self._keepers[node_id]
+        with self._keepers_lock:
+            if node_id not in self._keepers:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                self._keepers[node_id] = _RemoteKeeper.options(
+                    num_cpus=0, scheduling_strategy=strategy
+                ).remote()
+            return self._keepers[node_id]
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -134,7 +112,7 @@ class BusShard:
     ) -> None:
         self._bus.add_rows_at(rows, seqs, summaries, num_skipped)
 
-    async def add_rows_sharded(
+    def add_rows_sharded(
         self,
         rows_by_shard: dict[int, list[tuple[int, dict[str, Any]]]],
         summaries_by_shard: dict[int, dict[str, Any]],
@@ -146,10 +124,8 @@ class BusShard:
             k: ([_meta(row) for _, row in rows_by_shard.get(k, [])], all_ids)
             for k in range(self._num_shards)
         }
-        if self._admission is None:
-            self._admission = asyncio.Lock()
-        async with self._admission:  # one add at a time, so the capacity check below stays true
-            plans = await self._on_shards("plan_add", metas)  # validates; changes nothing
+        with self._admission:  # one add at a time, so the capacity check below stays true
+            plans = self._on_shards("plan_add", metas)  # validates; changes nothing
             skipped = _added_elsewhere(rows_by_shard, plans)
             num_new = sum(num for num, _, _ in plans.values())
             num_live = sum(live for _, live, _ in plans.values())
@@ -167,7 +143,7 @@ class BusShard:
                 seqs = {row["sample_id"]: base + pos for pos, row in kept}
                 summaries = summaries_by_shard.get(k, {})
                 adds[k] = ([row for _, row in kept], seqs, summaries, len(rows) - len(kept))
-            await self._on_shards("add_rows_at", adds)
+            self._on_shards("add_rows_at", adds)
 
     def can_add(self, num_groups: int) -> bool:
         return self._bus.can_add(num_groups)
@@ -186,7 +162,7 @@ class BusShard:
 
     # -- leases ------------------------------------------------------------------------------
 
-    async def claim(
+    def claim(
         self,
         lease_id: str,
         consumer: str,
@@ -194,14 +170,9 @@ class BusShard:
         max_rows: int,
         *,
         with_views: bool,
-        wait_s: float = 0.0,
         **claim_kwargs: Any,
     ) -> ClaimReply | None:
-        found = await self._retry(
-            fields,
-            wait_s,
-            lambda: self._bus.claim_as(lease_id, consumer, fields, max_rows, **claim_kwargs),
-        )
+        found = self._bus.claim_as(lease_id, consumer, fields, max_rows, **claim_kwargs)
         if found is None:
             return None
         lease, views = found
@@ -213,30 +184,8 @@ class BusShard:
     def keep_only(self, lease_id: str, sample_ids: list[str]) -> None:
         self._bus.keep_only(lease_id, sample_ids)
 
-    async def wait_ready(
-        self, consumer: str, fields: list[str], max_rows: int, *, timeout_s: float, **kwargs: Any
-    ) -> bool:
-        return await self._retry(
-            fields, timeout_s, lambda: self._bus.wait_ready(consumer, fields, max_rows, **kwargs)
-        )
-
-    async def _retry(self, fields: list[str], wait_s: float, attempt: Callable[[], Any]) -> Any:
-        """``attempt()`` now, then after each change to one of ``fields`` (and every
-        ``WAKE_CAP_S``, for lease expiry) until it returns something true or ``wait_s`` passes;
-        its last result. The asyncio form of ``LocalBus``'s own waiting loop."""
-        deadline = time.monotonic() + wait_s
-        result = attempt()
-        if result or wait_s <= 0:
-            return result
-        wake = _Wake()
-        self._bus.watch(fields, wake)
-        try:
-            while not result and (remaining := deadline - time.monotonic()) > 0:
-                await wake.wait(min(remaining, WAKE_CAP_S))
-                result = attempt()
-        finally:
-            self._bus.unwatch(wake)
-        return result
+    def wait_ready(self, consumer: str, fields: list[str], max_rows: int, **kwargs: Any) -> bool:
+        return self._bus.wait_ready(consumer, fields, max_rows, **kwargs)
 
     def ack(
         self,
@@ -269,11 +218,12 @@ class BusShard:
 
     def close(self) -> None:
         self._bus.close()
-        for keeper in self._keepers.values():
-            ray.kill(keeper)
-        self._keepers.clear()
+        with self._keepers_lock:
+            for keeper in self._keepers.values():
+                ray.kill(keeper)
+            self._keepers.clear()
 
-    async def _on_shards(self, method: str, args_by_shard: Mapping[int, tuple]) -> dict[int, Any]:
+    def _on_shards(self, method: str, args_by_shard: Mapping[int, tuple]) -> dict[int, Any]:
         """Call ``method`` on several shards at once (this one directly); results by shard."""
         remote = {
             k: getattr(self._shards[k], method).remote(*args)
@@ -283,19 +233,12 @@ class BusShard:
         out = {}
         if self._index in args_by_shard:
             out[self._index] = getattr(self, method)(*args_by_shard[self._index])
-        results = await asyncio.gather(*remote.values(), return_exceptions=True)
-        for result in results:  # all done: raise the first failure as the shard raised it
-            if isinstance(result, RayTaskError):
-                raise result.cause from result
-            if isinstance(result, BaseException):
-                raise result
-        out.update(zip(remote, results, strict=True))
+        out.update(zip(remote, get_all(list(remote.values())), strict=True))
         return out
 
 
-# An asyncio actor (see BusShard): a claim waiting for rows holds no thread, and Ray runs up to
-# `max_concurrency` calls at once (RayBus.create sets it).
-RemoteBusShard = ray.remote(BusShard)
+# Threaded: a claim waiting for rows (wait_s) must not block the writes that would satisfy it.
+RemoteBusShard = ray.remote(max_concurrency=64)(BusShard)
 _RemoteKeeper = ray.remote(max_concurrency=16)(PayloadKeeper)
 
 

@@ -29,6 +29,8 @@ contract suite runs both, which is what keeps the two in step.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -155,13 +157,26 @@ class ShardBus(LocalBus):
         ``timeout_s`` passes (False). Leases nothing."""
         fields = tuple(fields)
         predicates = _where_predicates(where)
-
-        def ready() -> bool:
-            candidates = self._candidates(consumer, self._pending_of(consumer), fields, predicates)
-            return bool(samplers.select(sampler, candidates, max_rows, sampler_options))
-
+        deadline = time.monotonic() + timeout_s
         with self._locked():
-            return self._wait_until(fields, timeout_s, ready)
+            waiter = (frozenset(fields), threading.Condition(self._lock))
+            self._waiters.append(waiter)
+            try:
+                while True:
+                    pending = self._pending_of(consumer)
+                    candidates = self._candidates(consumer, pending, fields, predicates)
+                    if samplers.select(sampler, candidates, max_rows, sampler_options):
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    # Woken by a change to one of `fields`; the cap re-checks lease expiry.
+                    waiter[1].wait(min(remaining, 0.05))
+                    if self._closed:
+                        raise RuntimeError("the bus is closed")
+                    self._expire_leases()
+            finally:
+                self._waiters.remove(waiter)
 
     # -- routing and counting across shards ------------------------------------------------
 

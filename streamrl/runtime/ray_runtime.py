@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 # torch threads per role process: one each (two cores: rollout and trainer each get one);
 # the trainer's comes from `trainer.threads`.
 ROLE_THREADS = 1
+BUS_THREADS = 64  # the fewest threads of each bus shard actor
 STATS_LOG_S = 30.0  # how often a role writes its counters into its log
 
 
@@ -219,7 +220,11 @@ def run_ray(
     log_sink = start_log_sink(ctx.run_dir)
     groups_per_step = batches_per_step(ctx.cfg) * prompts_per_batch(ctx.cfg)  # refills included
     capacity = bus_capacity_groups(ctx) + held_groups(ctx.cfg, groups_per_step)
-    bus = RayBus.create(capacity_groups=capacity, shards=rt.bus_shards)
+    # A role's call that waits for rows holds one of a shard's threads; each replica has at
+    # most two calls in flight (the trainer's prefetch claim and its acks), plus the driver's.
+    # Replicas added later (`streamrl scale`) share the margin; past it, calls queue, briefly.
+    threads = max(BUS_THREADS, 16 + 4 * len(names))
+    bus = RayBus.create(capacity_groups=capacity, shards=rt.bus_shards, max_concurrency=threads)
     for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)

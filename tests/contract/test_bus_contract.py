@@ -728,28 +728,6 @@ def test_ray_attached_client_close_only_detaches(ray_bus: Any) -> None:
     assert ray_bus.stats()["rows_live"] == 0
 
 
-def test_ray_bus_wakes_more_waiting_claims_than_a_thread_pool_holds(ray_bus: Any) -> None:
-    import ray
-
-    # 150 claims wait at once, from one process's threads (a threaded shard of 64 threads
-    # would be full of them and queue the add that satisfies them behind their wait): each
-    # gets its row once the rows arrive.
-    @ray.remote(num_cpus=0, max_concurrency=150)
-    class Claimer:
-        def claim(self, bus: Bus) -> str | None:
-            lease = bus.claim("trainer", ["prompt_ids"], 1, wait_s=60.0)
-            return None if lease is None else lease.rows[0]["sample_id"]
-
-    claimer = Claimer.remote()
-    claims = [claimer.claim.remote(ray_bus) for _ in range(150)]
-    time.sleep(2.0)  # let them start waiting
-    ray_bus.add_rows(
-        [row for g in range(150) for row in group_rows(f"g{g}", 1, fields={"prompt_ids": [1]})]
-    )
-    got = ray.get(claims, timeout=60)
-    assert sorted(got) == sorted(f"g{g}/0" for g in range(150))
-
-
 def test_local_bus_serves_claims_among_many_live_rows() -> None:
     # How fast is measured by benchmarks/bus.py, not asserted here.
     bus = LocalBus()
