@@ -97,6 +97,10 @@ class LocalBus:
         # Claims waiting (wait_s > 0) for rows: the fields they need and how to wake them. A
         # change wakes only waiters whose fields it touched, so idle roles cost nothing.
         self._waiters: list[tuple[frozenset[str], threading.Condition]] = []
+        # Per consumer, how many times its leases were handed back wholesale (`release_consumer`,
+        # when one of its processes died): a claim that was already waiting then gives up
+        # instead of leasing rows to a caller that may be gone.
+        self._releases: dict[str, int] = {}
         self._closed = False
         self._next_seq = 0
         self._rows: dict[str, _Row] = {}
@@ -208,12 +212,18 @@ class LocalBus:
                 return lease
             waiter = (frozenset(fields), threading.Condition(self._lock))
             self._waiters.append(waiter)
+            releases = self._releases.get(consumer, 0)
             try:
                 while lease is None and (remaining := deadline - time.monotonic()) > 0:
                     # Woken by a change to one of `fields`; the cap re-checks lease expiry.
                     waiter[1].wait(min(remaining, 0.05))
                     if self._closed:
                         raise RuntimeError("the bus is closed")
+                    if self._releases.get(consumer, 0) != releases:
+                        # The consumer's leases were handed back while this claim waited: its
+                        # caller may have died with the call still here (a lease granted now
+                        # would hold rows until it expires). A live caller just claims again.
+                        return None
                     self._expire_leases()
                     lease = self._try_claim(
                         consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
@@ -281,11 +291,18 @@ class LocalBus:
                 self._close_lease(lease_id)
 
     def release_consumer(self, consumer: str) -> int:
+        """Hand back every open lease of `consumer` (one of its processes died), and make its
+        claims that are waiting right now return empty."""
+        return len(self._release_consumer(consumer))
+
+    def _release_consumer(self, consumer: str) -> list[str]:
+        """`release_consumer`, returning the ids of the leases it closed."""
         with self._locked(changes=True):
+            self._releases[consumer] = self._releases.get(consumer, 0) + 1
             held = [lid for lid, rec in self._leases.items() if rec.consumer == consumer]
             for lease_id in held:
                 self._close_lease(lease_id)
-            return len(held)
+            return held
 
     def renew(self, lease_id: str, lease_s: float | None = None) -> None:
         if lease_s is not None and lease_s <= 0:

@@ -192,11 +192,7 @@ class ShardBus(LocalBus):
 
     def release_consumer_ids(self, consumer: str) -> list[str]:
         """``release_consumer``, returning the ids of the leases it closed."""
-        with self._locked(changes=True):
-            held = [lid for lid, rec in self._leases.items() if rec.consumer == consumer]
-            for lease_id in held:
-                self._close_lease(lease_id)
-            return held
+        return self._release_consumer(consumer)
 
     # -- internals (caller holds the lock) --------------------------------------------------
 

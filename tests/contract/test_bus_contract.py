@@ -603,6 +603,31 @@ def test_unrelated_write_does_not_end_a_waiting_claim(bus: Bus) -> None:
     assert 0.35 <= elapsed < 4.5
 
 
+def test_release_consumer_ends_its_waiting_claims_empty(bus: Bus, request) -> None:
+    """A role killed while its claim waits inside the bus leaves that call behind. Once its
+    leases are handed back (the supervisor's `release_consumer`), such a claim must not lease the
+    next rows to the dead caller (they would be held until the lease expired): it returns empty,
+    and the rows go to the next claim."""
+    if request.node.callspec.params["make"] == "ray-sharded":
+        pytest.skip("across shards the claim loop runs in the caller, which dies with it")
+    bus.add_rows(group_rows("g", 1))
+    join = run_later(
+        (0.2, lambda: bus.release_consumer("trainer")),
+        (0.2, lambda: bus.write({"g/0": {"reward": 1.0}})),
+    )
+    start = time.monotonic()
+    assert bus.claim("trainer", ["reward"], 10, wait_s=5.0) is None
+    elapsed = time.monotonic() - start
+    join()
+    assert elapsed < 4.5  # ended by the release, not by wait_s running out
+    assert ids(bus.claim("trainer", ["reward"], 10)) == ["g/0"]
+    # Claims made after the release wait as before.
+    bus.add_rows(group_rows("h", 1))
+    join = run_later((0.2, lambda: bus.write({"h/0": {"reward": 1.0}})))
+    assert ids(bus.claim("trainer", ["reward"], 10, wait_s=5.0)) == ["h/0"]
+    join()
+
+
 # -- drop, stats, checkpoints, close ---------------------------------------------------------
 
 

@@ -111,9 +111,13 @@ def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
     assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
     steps = train_steps(run_dir)
     assert len(steps) == 4
+    # A step whose groups all scored alike trains no tokens (nothing to compare then); with 8
+    # groups of 4 that happens now and then, so most steps, not all, must have trained some.
+    trained = [m for m in steps if m["train/trained_tokens"] > 0]
+    assert len(trained) >= 2, [m["train/trained_tokens"] for m in steps]
     for m in steps:
         assert m["staleness/max"] == 0, m["step"]
-        assert m["train/trained_tokens"] > 0, m["step"]  # the bound is about real tokens
+    for m in trained:
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
     # The rollout role logs its stats, with the requests each engine was given, to its log in
     # the run directory.

@@ -264,7 +264,10 @@ def test_step_gradient_does_not_depend_on_micro_batches(
         torch.testing.assert_close(
             before[name] - after_whole[name], g / expected_normaliser, atol=1e-6, rtol=1e-5
         )
-        torch.testing.assert_close(after_split[name], after_whole[name], atol=1e-6, rtol=0)
+        # The two gradients may differ by the tolerance above; the step scales that by
+        # 1 / normaliser, on top of the parameters' own fp32 rounding.
+        atol = 1e-6 + 1e-6 * max(1.0, float(g.abs().max())) / expected_normaliser
+        torch.testing.assert_close(after_split[name], after_whole[name], atol=atol, rtol=0)
 
 
 def test_step_reports_trained_tokens_and_resets(model_dir: Path) -> None:
