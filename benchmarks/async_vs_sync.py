@@ -10,9 +10,12 @@ own start-up are excluded). Three runs:
   turns, each on its own core): isolates what overlapping them buys;
 - `ray s=1`: the default asynchronous run.
 
-Prints the speed-up ratio against the synchronous loop (sync / async) last.
+With `--with-threads`, a fourth: `threads s=1`, the same asynchronous job with every role a
+thread of one process (`runtime.mode=threads`), and its speed-up is printed before the last line.
+Prints the speed-up ratio of the default asynchronous run against the synchronous loop
+(sync / async) last.
 
-    python benchmarks/async_vs_sync.py [extra key=value overrides]
+    python benchmarks/async_vs_sync.py [--with-threads] [extra key=value overrides]
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def run(mode: str, run_dir: Path, extra: list[str]) -> dict:
 
 
 def main() -> None:
-    extra = sys.argv[1:]
+    with_threads = "--with-threads" in sys.argv[1:]
+    extra = [arg for arg in sys.argv[1:] if arg != "--with-threads"]
     with tempfile.TemporaryDirectory() as tmp:
         # The first run warm-starts (if not cached yet) outside its timed span; the others reuse it.
         results = {
@@ -47,12 +51,14 @@ def main() -> None:
             "ray s=0": run("ray", Path(tmp) / "ray0", [*extra, "rollout.max_staleness=0"]),
             "ray s=1": run("ray", Path(tmp) / "ray1", extra),
         }
+        if with_threads:
+            results["threads s=1"] = run("threads", Path(tmp) / "threads1", extra)
     print(
-        f"{'mode':8} {'rl wall s':>10} {'steps':>6} {'acc before':>11} {'acc after':>10} {'tokens/s':>9}"
+        f"{'mode':11} {'rl wall s':>10} {'steps':>6} {'acc before':>11} {'acc after':>10} {'tokens/s':>9}"
     )
     for mode, s in results.items():
         print(
-            f"{mode:8} {s['rl_wall_time_s']:10.1f} {s['num_steps']:6d} {s['initial_eval_accuracy']:11.3f}"
+            f"{mode:11} {s['rl_wall_time_s']:10.1f} {s['num_steps']:6d} {s['initial_eval_accuracy']:11.3f}"
             f" {s['final_eval_accuracy']:10.3f} {s['tokens_per_s']:9.0f}"
         )
     wall = {mode: s["rl_wall_time_s"] for mode, s in results.items()}
@@ -61,6 +67,10 @@ def main() -> None:
     print(
         f"overlap gain in the same deployment (ray s=0 / ray s=1): {wall['ray s=0'] / wall['ray s=1']:.2f}"
     )
+    if with_threads:
+        print(
+            f"threads mode: speed-up (sync wall / threads wall): {wall['sync'] / wall['threads s=1']:.2f}"
+        )
     print(f"speed-up (sync wall / async wall): {wall['sync'] / wall['ray s=1']:.2f}")
 
 

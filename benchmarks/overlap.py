@@ -33,6 +33,8 @@ steps (`trainer.eval_every=0`, `trainer.checkpoint_every=0`). The first `--warmu
    between two consecutive optimizer steps, over the same steps: everything that keeps the
    trainer from the next step counts (waiting for samples, the reward sandbox, advantages, the
    bus, weight publication, and the two busy processes sharing the cores with the light roles).
+   `--async-modes threads` (or `ray threads`: both, side by side) runs the same job with
+   `runtime.mode=threads` instead: every role a thread of one process, on one torch thread.
 
 Also printed, as evidence of where the difference goes:
 
@@ -47,7 +49,8 @@ Also printed, as evidence of where the difference goes:
 `--rounds N` makes N pairs of runs, alternating which of the two goes first, and pools the
 measured steps of all of them (the machine's load from other jobs then hits both alike).
 
-    python benchmarks/overlap.py [--steps 40] [--warmup-steps 5] [--rounds 1] [key=value ...]
+    python benchmarks/overlap.py [--steps 40] [--warmup-steps 5] [--rounds 1]
+        [--async-modes ray|threads ...] [key=value ...]
 """
 
 from __future__ import annotations
@@ -178,17 +181,23 @@ def main() -> None:
     p.add_argument(
         "--rounds", type=int, default=1, help="pairs of runs, alternating which is first"
     )
-    p.add_argument("extra", nargs="*", help="streamrl key=value overrides for both runs")
+    p.add_argument(
+        "--async-modes",
+        nargs="+",
+        choices=("ray", "threads"),
+        default=["ray"],
+        help="runtime.mode of the async run(s); with several, the ratio of the last is printed last",
+    )
+    p.add_argument("extra", nargs="*", help="streamrl key=value overrides for every run")
     a = p.parse_args()
     w = a.warmup_steps
     if a.steps < w + 3:
         raise SystemExit(f"--steps ({a.steps}) must be at least --warmup-steps + 3 ({w + 3})")
     common = [f"trainer.steps={a.steps}", "trainer.eval_every=0", "trainer.checkpoint_every=0"]
     common += a.extra
-    kinds = {
-        "alone": ["runtime.mode=sync", "runtime.sync_threads=1", *common],
-        "async": ["runtime.mode=ray", *common],
-    }
+    kinds = {"alone": ["runtime.mode=sync", "runtime.sync_threads=1", *common]}
+    for mode in a.async_modes:
+        kinds[f"async {mode}"] = [f"runtime.mode={mode}", *common]
     print(f"machine: {os.cpu_count()} CPUs, {_load()}", flush=True)
     window = (w, a.steps - 1)  # CPU sampling: from step w's record to step (steps-1)'s
     steps: dict[str, list[dict]] = {kind: [] for kind in kinds}  # measured steps, all rounds
@@ -206,23 +215,24 @@ def main() -> None:
 
     rollout_alone = column(steps["alone"], "time/rollout_busy_s")
     training_alone = column(steps["alone"], "time/trainer_busy_s")
-    async_step = column(steps["async"], "time/step_s")
-    measured = len(async_step)
+    runs = [kind for kind in kinds if kind != "alone"]
+    measured = len(steps["alone"])
     print(f"\n{measured} steps ({a.rounds} x steps {w + 1}..{a.steps}): seconds, sum and median")
     print(f"{'figure':40} {'sum s':>8} {'median s':>9}")
     rows = [
         ("rollout alone (sync loop, 1 thread)", rollout_alone),
         ("training alone (sync loop, 1 thread)", training_alone),
-        ("async wall (trainer step to step)", async_step),
     ]
-    for role in ("rollout", "trainer", "reward", "advantage"):
-        rows.append((f"  async run: {role} busy", column(steps["async"], f"time/{role}_busy_s")))
+    for kind in runs:
+        rows.append((f"{kind}: wall (trainer step to step)", column(steps[kind], "time/step_s")))
+        for role in ("rollout", "trainer", "reward", "advantage"):
+            rows.append((f"  {kind}: {role} busy", column(steps[kind], f"time/{role}_busy_s")))
     for name, values in rows:
         print(f"{name:40} {sum(values):8.2f} {statistics.median(values):9.3f}")
 
     num_steps = a.rounds * (window[1] - window[0])
     print(f"\nCPU seconds per step, {a.rounds} x steps {window[0] + 1}..{window[1]} (2 cores)")
-    for kind, title in (("alone", "phases alone (sync, 1 thread)"), ("async", "async run")):
+    for kind, title in (("alone", "phases alone (sync, 1 thread)"), *((k, k) for k in runs)):
         wall = cpu[kind].pop("(wall)")
         total = sum(cpu[kind].values())
         print(f"{title}: {total / num_steps:.3f} CPU-s/step, {total / wall:.2f} cores busy")
@@ -230,13 +240,17 @@ def main() -> None:
             print(f"  {group:38} {seconds / num_steps:8.3f}")
 
     print(
-        "\nfinal held-out accuracy: sync "
-        + ", ".join(f"{x:.3f}" for x in accuracy["alone"])
-        + "; async "
-        + ", ".join(f"{x:.3f}" for x in accuracy["async"])
+        "\nfinal held-out accuracy: "
+        + "; ".join(
+            f"{'sync' if kind == 'alone' else kind} "
+            + ", ".join(f"{x:.3f}" for x in accuracy[kind])
+            for kind in kinds
+        )
     )
     bound = max(sum(rollout_alone), sum(training_alone))
-    print(f"async_wall / max(rollout_alone, training_alone) = {sum(async_step) / bound:.2f}")
+    for kind in runs:
+        ratio = sum(column(steps[kind], "time/step_s")) / bound
+        print(f"{kind}: async_wall / max(rollout_alone, training_alone) = {ratio:.2f}")
 
 
 def _load() -> str:

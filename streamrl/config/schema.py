@@ -370,9 +370,12 @@ class PlacementGroupConfig(Section):
 
 
 class RuntimeConfig(Section):
-    mode: Literal["ray", "inline", "sync"] = "ray"
-    """ray: every role its own process on Ray; inline: every role an asyncio task in one process
-    (debugging, tests); sync: generate then train, in turn, in one process (the baseline)."""
+    mode: Literal["ray", "threads", "inline", "sync"] = "ray"
+    """ray: every role its own process on Ray; threads: every role a thread of one process, the
+    roles' kernels on different cores at once, no restarts (small models on few cores, where
+    Ray's per-call costs are a large share of a step); inline: every role an asyncio task in one
+    process, one at a time (debugging, tests); sync: generate then train, in turn, in one
+    process (the baseline)."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; None starts a local instance."""
     roles: RolesConfig = RolesConfig()

@@ -257,6 +257,10 @@ def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
         from streamrl.runtime.inline import run_inline
 
         return run_inline(ctx, sink, start_step=start_step)
+    if mode == "threads":
+        from streamrl.runtime.threads import run_threads
+
+        return run_threads(ctx, sink, start_step=start_step)
     from streamrl.runtime.ray_runtime import run_ray
 
     return run_ray(ctx, sink, start_step=start_step, on_rewind=sink.rewind)

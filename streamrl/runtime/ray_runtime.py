@@ -51,6 +51,7 @@ from streamrl.runtime.roles import (
     base_role,
     bus_capacity_groups,
     bus_consumers,
+    loop_role,
     stall_message,
 )
 from streamrl.runtime.supervisor import Supervisor
@@ -124,28 +125,16 @@ class RoleActor:
 
     def run(self) -> None:
         log.info("%s: running", self.name)
+        next_stats = time.monotonic() + STATS_LOG_S
+
+        def log_stats() -> None:
+            nonlocal next_stats
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_LOG_S
+                log.info("%s: %s", self.name, self.role.stats())
+
         try:
-            idle_s = self.poll_s
-            target = getattr(self.role, "role", self.role)  # the trainer's hooks wrap its role
-            long_poll_s = getattr(target, "claim_wait_s", 0.0)
-            reset_step_clock = getattr(target, "reset_step_clock", None)
-            if reset_step_clock is not None:  # the loop starts now, maybe well after __init__
-                reset_step_clock()
-            next_stats = time.monotonic() + STATS_LOG_S
-            while not self._stop.is_set():
-                if getattr(self.role, "done", False):
-                    return
-                started = time.monotonic()
-                if self.role.step():
-                    idle_s = self.poll_s
-                elif long_poll_s > 0 and time.monotonic() - started >= long_poll_s / 2:
-                    idle_s = self.poll_s  # the step already waited (a long poll): look again now
-                else:  # back off while there is nothing to do, up to 16x the poll interval
-                    time.sleep(idle_s)
-                    idle_s = min(idle_s * 2, self.poll_s * 16)
-                if time.monotonic() >= next_stats:
-                    next_stats = time.monotonic() + STATS_LOG_S
-                    log.info("%s: %s", self.name, self.role.stats())
+            loop_role(self.role, self._stop, self.poll_s, after_step=log_stats)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.exception("%s: loop failed", self.name)

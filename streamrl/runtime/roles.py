@@ -1,11 +1,13 @@
-"""Building each role from the run context, the same way in inline mode and inside Ray actors.
+"""Building each role from the run context, the same way in every runtime.
 
 A role is an object with `step() -> bool` (did it do any work) and `stats() -> dict`; the
-runtime supplies the loop around it (an asyncio task inline, a thread in a Ray actor).
+runtime supplies the loop around it (an asyncio task inline, `loop_role` in a thread of its
+own in threads mode and inside a Ray actor).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -96,6 +98,36 @@ class FeederRole:
 
     def stats(self) -> dict[str, Any]:
         return {"next_batch": self.next_batch}
+
+
+def loop_role(
+    role, stop: threading.Event, poll_s: float, after_step: Callable[[], None] | None = None
+) -> None:
+    """Call `role.step()` until `stop` is set or the role is done (a role's own thread or process).
+
+    A step that did nothing is followed by a wait of `poll_s`, doubling while idle up to 16x,
+    unless the step already waited inside the bus or the weight service (a long poll of the
+    role's `claim_wait_s`), in which case the loop looks again at once.
+    """
+    idle_s = poll_s
+    target = getattr(role, "role", role)  # the trainer's hooks wrap its role
+    long_poll_s = getattr(target, "claim_wait_s", 0.0)
+    reset_step_clock = getattr(target, "reset_step_clock", None)
+    if reset_step_clock is not None:  # the loop starts now, maybe well after the role was built
+        reset_step_clock()
+    while not stop.is_set():
+        if getattr(role, "done", False):
+            return
+        started = time.monotonic()
+        if role.step():
+            idle_s = poll_s
+        elif long_poll_s > 0 and time.monotonic() - started >= long_poll_s / 2:
+            idle_s = poll_s  # the step already waited (a long poll): look again now
+        else:  # back off while there is nothing to do
+            stop.wait(idle_s)
+            idle_s = min(idle_s * 2, poll_s * 16)
+        if after_step is not None:
+            after_step()
 
 
 def stall_message(ctx: RunContext, role_stats: dict[str, Any], bus_stats: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ straight from the object store.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,31 +32,46 @@ def to_buckets(named_tensors: Mapping[str, Any], bucket_bytes: int) -> list[dict
 
 
 class InProcessWeights:
-    """Holds the latest version in this process; engines in the same process share it."""
+    """Holds the latest version in this process; engines in the same process share it.
+
+    Thread-safe: in threads mode the trainer publishes from one thread while the rollout
+    fetches, and the rollout's publish watcher and the feeder wait (`wait_newer`), in others.
+    """
 
     def __init__(self) -> None:
         self._version = -1
         self._tensors: dict[str, Any] = {}
+        self._published = threading.Condition()
         self.num_publishes = 0
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        if version <= self._version:
-            raise ValueError(
-                f"published version {version} is not newer than held version {self._version}"
-            )
-        self._version = version
-        self._tensors = {
+        tensors = {
             k: v.detach().clone() if hasattr(v, "detach") else v for k, v in named_tensors.items()
         }
-        self.num_publishes += 1
+        with self._published:
+            if version <= self._version:
+                raise ValueError(
+                    f"published version {version} is not newer than held version {self._version}"
+                )
+            self._version, self._tensors = version, tensors
+            self.num_publishes += 1
+            self._published.notify_all()
 
     def latest_version(self) -> int:
         return self._version
 
     def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
-        if self._version <= have_version:
-            return None
-        return self._version, self._tensors
+        with self._published:
+            if self._version <= have_version:
+                return None
+            return self._version, self._tensors
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        """Block until a version newer than `have_version` is held, or `timeout_s` passes;
+        return the newest version held."""
+        with self._published:
+            self._published.wait_for(lambda: self._version > have_version, timeout_s)
+            return self._version
 
 
 class _WeightStoreActor:

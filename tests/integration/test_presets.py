@@ -1,8 +1,10 @@
 """Every algorithm preset trains on the built-in task and raises held-out accuracy.
 
-Each runs the default job (Ray, every role its own process, the shared warm start) with only
-`algorithm.preset` changed and fewer steps than the demo; docs/algorithms.md has the full-length
-figures (benchmarks/presets.py).
+Each runs the default job (the shared warm start, every role its own loop) with only
+`algorithm.preset` changed, fewer steps than the demo, and every role a thread of one process
+(`runtime.mode=threads`): the algorithms are what is tested here, and threads mode runs the same
+roles over the same bus contract without Ray's start-up and per-call costs (the Ray runtime has
+its own tests). docs/algorithms.md has the full-length figures (benchmarks/presets.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def test_preset_learns(tmp_path, preset: str) -> None:
         [
             "train",
             f"algorithm.preset={preset}",
+            "runtime.mode=threads",
             f"trainer.steps={STEPS}",
             "trainer.eval_every=0",
             "trainer.checkpoint_every=0",
@@ -36,7 +39,7 @@ def test_preset_learns(tmp_path, preset: str) -> None:
         timeout=1200,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["num_steps"] == STEPS
+    assert summary["num_steps"] == STEPS and summary["mode"] == "threads"
     before, after = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
     assert before <= 0.4
     assert after >= before + 0.2, f"{preset}: held-out accuracy {before:.3f} -> {after:.3f}"

@@ -1,7 +1,8 @@
 """`max_staleness=0` must reproduce the synchronous loop: the same samples and the same losses.
 
-Inline mode runs the real roles over the real bus (claim, lease, ack, weight sync); sync mode is
-the plain generate-then-train loop. With the same seed they must draw identical tokens for every
+Inline mode runs the real roles over the real bus (claim, lease, ack, weight sync), one at a
+time; threads mode runs them at once, each in its own thread; sync mode is the plain
+generate-then-train loop. With the same seed they must draw identical tokens for every
 sample (compared through each step's samples digest) and compute the same loss at every step. The
 same run also checks that trainer and rollout log-probs agree on identical weights (fp32).
 """
@@ -34,9 +35,15 @@ def _run(mode: str, tmp_path, cache) -> tuple[list[dict], list[dict]]:
     return read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "trained_samples.jsonl")
 
 
-def test_staleness_zero_reproduces_sync_loop(tmp_path, quick_cache):
-    sync_metrics, sync_samples = _run("sync", tmp_path, quick_cache)
-    inline_metrics, inline_samples = _run("inline", tmp_path, quick_cache)
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, quick_cache):
+    return _run("sync", tmp_path_factory.mktemp("sync"), quick_cache)
+
+
+@pytest.mark.parametrize("mode", ["inline", "threads"])
+def test_staleness_zero_reproduces_sync_loop(mode, sync_run, tmp_path, quick_cache):
+    sync_metrics, sync_samples = sync_run
+    inline_metrics, inline_samples = _run(mode, tmp_path, quick_cache)
 
     assert [s["digest"] for s in sync_samples] == [s["digest"] for s in inline_samples]
     assert [sorted(s["ids"]) for s in sync_samples] == [sorted(s["ids"]) for s in inline_samples]
