@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+## Test processes of `make test`: two on the 2-core CI machine, where one leaves a core idle while
+## integration tests wait on Ray start-up, restarts and leases. Each may run a whole Ray job
+## (about 5 GiB at peak), so more only pays with more cores and memory.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast test-vllm lint bench bench-vllm install install-vllm clean
 
@@ -36,7 +40,8 @@ demo: $(STAMP)
 ## --durations lists the slowest tests, so CI's 30-minute budget shows where it goes.
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
-	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 tests
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 \
+		-n $(TEST_WORKERS) --dist worksteal tests
 
 ## Only the vLLM engine's tests (unit and integration; part of `make test`).
 test-vllm: $(VLLM_STAMP)

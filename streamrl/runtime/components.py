@@ -24,14 +24,13 @@ from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import AdvantageSettings
 from streamrl.trainer.algos.objective import LossSettings
 from streamrl.trainer.evaluate import greedy_accuracy
-from streamrl.trainer.fsdp import FSDPSettings
 from streamrl.trainer.learner import Learner
-from streamrl.trainer.ranks import RankedLearner, RankSpec
 from streamrl.trainer.service import BatchTrainer
 
 if TYPE_CHECKING:
     from streamrl.rollout.sglang_engine import SglangEngine
     from streamrl.rollout.vllm_engine import VllmEngine
+    from streamrl.trainer.ranks import RankedLearner
 
 
 def set_threads(num: int) -> None:
@@ -212,6 +211,11 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
     )
     if t.world_size == 1:
         return Learner(load_policy_model(ctx), **kwargs)
+    # Imported here: FSDP2 and distributed checkpoints cost every role process a second of
+    # imports (DTensor, sympy) that only a multi-rank trainer needs.
+    from streamrl.trainer.fsdp import FSDPSettings
+    from streamrl.trainer.ranks import RankedLearner, RankSpec
+
     spec = RankSpec(
         model_dir=str(ctx.policy_dir),
         dtype=ctx.cfg.model.dtype,

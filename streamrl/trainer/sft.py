@@ -8,6 +8,7 @@ The result is an ordinary HF model directory, reused by every later run with the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -57,7 +58,17 @@ def ensure_policy_dir(
         return cached
     cache = Path(cfg.run.cache_dir)
     out = cache / f"policy-{warm_start_key(cfg)}"
-    tmp = cache / f".tmp-{out.name}-{os.getpid()}"  # concurrent builders do not collide
+    cache.mkdir(parents=True, exist_ok=True)
+    # Jobs started together with the same settings build it once: the others wait here.
+    with open(cache / f".lock-{out.name}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        return _build_policy_dir(cfg, out, progress)
+
+
+def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # a crashed build leaves no half dir
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model_dir(
         tmp,
@@ -68,12 +79,7 @@ def ensure_policy_dir(
     )
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
         run_sft(tmp, cfg, progress)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished the same warm start first: use theirs
-        if not (out / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp.rename(out)
     return out
 
 
