@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -27,6 +28,8 @@ from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.onednn import use_onednn_linears
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.logprobs import pack, response_logprobs
+
+log = logging.getLogger(__name__)
 
 
 def warm_start_key(cfg: Config) -> str:
@@ -61,7 +64,11 @@ def ensure_policy_dir(
     cache.mkdir(parents=True, exist_ok=True)
     # Jobs started together with the same settings build it once: the others wait here.
     with open(cache / f".lock-{out.name}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another job is building the warm start %s; waiting for it", out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "config.json").is_file():
             return out
         return _build_policy_dir(cfg, out, progress)

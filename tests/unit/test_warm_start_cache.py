@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -9,7 +10,8 @@ from streamrl.config.schema import Config
 from streamrl.trainer import sft
 
 
-def test_concurrent_builders_train_once_and_share_the_result(tmp_path, monkeypatch) -> None:
+def test_concurrent_builders_train_once_and_share_the_result(tmp_path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="streamrl.trainer.sft")
     cfg = Config()
     cfg.run.cache_dir = str(tmp_path)
     cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads = 32, 1, 2
@@ -31,6 +33,7 @@ def test_concurrent_builders_train_once_and_share_the_result(tmp_path, monkeypat
         b.join()
 
     assert len(trained) == 1
+    assert "another job is building the warm start" in caplog.text  # the one that waited says so
     assert results[0] == results[1] == sft.cached_policy_dir(cfg)
     assert (results[0] / "config.json").is_file()
     assert not list(tmp_path.glob(".tmp-*"))  # nothing half-built left behind
