@@ -270,17 +270,16 @@ def run_ray(
         others = [n for n in names if n != "trainer"]
         if rt.weight_channel == "tcp":
             supervisor.start(["trainer"], run=False)
-            subscriber = weights_for_engines(
-                ctx, trainer_start["weights"], supervisor.info["trainer"]
+            info = supervisor.info["trainer"]
+            subscriber = weights_for_engines(ctx, trainer_start["weights"], info)
+            trainer_start["weights"] = weights_for_restarted_trainer(
+                ctx, trainer_start["weights"], info
             )
             supervisor.start(others)
         else:
             subscriber = weights_for_engines(ctx, trainer_start["weights"], {})
             supervisor.start(names, run=False)
             supervisor.run(others)
-        trainer_start["weights"] = weights_for_restarted_trainer(
-            ctx, trainer_start["weights"], supervisor.info["trainer"]
-        )
         supervisor.run(["trainer"])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
         loop_started = time.perf_counter()

@@ -69,13 +69,11 @@ def ensure_policy_dir(
         except BlockingIOError:
             log.info("another job is building the warm start %s; waiting for it", out)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / "config.json").is_file():
-            return out
-        return _build_policy_dir(cfg, out, progress)
+        return cached_policy_dir(cfg) or _build_policy_dir(cfg, out, progress)
 
 
 def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # a crashed build leaves no half dir
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # `out` appears only when complete
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model_dir(
         tmp,
