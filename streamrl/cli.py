@@ -4,6 +4,7 @@
     streamrl status RUN_DIR
     streamrl logs RUN_DIR [ROLE] [-n N]
     streamrl scale RUN_DIR ROLE=N
+    streamrl stop RUN_DIR
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="change the replicas of a role of a running job")
     scale.add_argument("run_dir", metavar="RUN_DIR")
     scale.add_argument("request", metavar="ROLE=N", help="for example rollout=3")
+    stop = sub.add_parser(
+        "stop",
+        help="end a running job after its current step, with a checkpoint "
+        "(`streamrl train --resume RUN_DIR` continues it)",
+    )
+    stop.add_argument("run_dir", metavar="RUN_DIR")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -145,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             set_replicas(Path(args.run_dir), role, int(count))
             print(
                 f"asked {args.run_dir} for {count} {role} replica(s); `streamrl status` shows them"
+            )
+            return 0
+        if args.command == "stop":
+            from streamrl.runtime.control import request_stop
+
+            request_stop(Path(args.run_dir))
+            print(
+                f"asked {args.run_dir} to stop after its current step; it writes a checkpoint "
+                f"and its summary, and `streamrl train --resume {args.run_dir}` continues it"
             )
             return 0
         if args.command == "status":

@@ -1,10 +1,16 @@
-"""Changing a running job from outside: how many replicas of a role it should run.
+"""Changing a running job from outside: how many replicas of a role it runs, and stopping it.
 
 `streamrl scale RUN_DIR rollout=3` (or `set_replicas(run_dir, "rollout", 3)` from Python) writes
 the request to `control.json` in the run directory; the supervisor of the live run reads it on
 its next check, starts new replicas (they pull the current weights and claim work at once) or
 drains surplus ones (a replica finishes the rows it holds, then stops: nothing is lost).
-Ray-free, so the command starts in a blink.
+
+`streamrl stop RUN_DIR` (`request_stop`) asks the run to end after the step it is training: the
+trainer evaluates, writes a checkpoint and the summary as at a planned end, and
+`streamrl train --resume RUN_DIR` later continues from there to `trainer.steps`. A run clears
+the request when it starts, so a resumed run does not stop at once.
+
+Ray-free, so the commands start in a blink.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from streamrl.config.schema import SCALABLE_ROLES
 
@@ -22,19 +29,51 @@ def set_replicas(run_dir: Path, role: str, replicas: int) -> None:
     if role not in SCALABLE_ROLES:
         raise ValueError(f"cannot scale {role!r}: only {', '.join(SCALABLE_ROLES)} have replicas")
     if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas} (stop the run to stop a role)")
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a streamrl run directory (no config.yaml)")
-    requests = read_requests(run_dir)
-    requests[role] = replicas
-    tmp = run_dir / (CONTROL_FILE + ".tmp")
-    tmp.write_text(json.dumps({"replicas": requests}))
-    os.replace(tmp, run_dir / CONTROL_FILE)
+        raise ValueError(
+            f"replicas must be >= 1, got {replicas} (`streamrl stop RUN_DIR` stops the run)"
+        )
+    _check_run_dir(run_dir)
+    control = _read(run_dir)
+    control.setdefault("replicas", {})[role] = replicas
+    _write(run_dir, control)
 
 
 def read_requests(run_dir: Path) -> dict[str, int]:
     """The replica counts requested so far ({} when nothing was asked)."""
+    return {k: int(v) for k, v in _read(run_dir).get("replicas", {}).items()}
+
+
+def request_stop(run_dir: Path) -> None:
+    """Ask the run in `run_dir` to end, with a checkpoint, after the step it is training."""
+    _check_run_dir(run_dir)
+    control = _read(run_dir)
+    control["stop"] = True
+    _write(run_dir, control)
+
+
+def stop_requested(run_dir: Path) -> bool:
+    """Checked by the trainer after every step (one `stat` while nothing was asked)."""
+    return (run_dir / CONTROL_FILE).exists() and bool(_read(run_dir).get("stop"))
+
+
+def clear_stop(run_dir: Path) -> None:
+    """A run starting (or resuming) forgets an earlier stop request."""
+    control = _read(run_dir)
+    if control.pop("stop", None) is not None:
+        _write(run_dir, control)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a streamrl run directory (no config.yaml)")
+
+
+def _read(run_dir: Path) -> dict[str, Any]:
     path = run_dir / CONTROL_FILE
-    if not path.exists():
-        return {}
-    return {k: int(v) for k, v in json.loads(path.read_text())["replicas"].items()}
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write(run_dir: Path, control: dict[str, Any]) -> None:
+    tmp = run_dir / (CONTROL_FILE + ".tmp")
+    tmp.write_text(json.dumps(control))
+    os.replace(tmp, run_dir / CONTROL_FILE)  # readers see the old file or the new, never half

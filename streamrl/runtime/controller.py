@@ -28,6 +28,7 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
+from streamrl.runtime.control import clear_stop
 from streamrl.runtime.errors import TrainerLost
 from streamrl.runtime.logs import attach_controller_log, detach, log_failure
 from streamrl.runtime.roles import base_role
@@ -50,6 +51,7 @@ class RecordSink:
         self.total_tokens = 0
         self.trainer_busy_s = 0.0
         self.steps_done = 0
+        self.last_step = 0  # the policy version of the latest record
         self.dropped: dict[str, int] = {}
         self._last_time: float | None = None
         self._role_totals: dict[tuple[str, str], float] = {}
@@ -87,6 +89,7 @@ class RecordSink:
 
     def __call__(self, record: dict[str, Any]) -> None:
         step, metrics = record["step"], dict(record["metrics"])
+        self.last_step = step
         now = time.perf_counter()
         if self.slower_side is None:
             self.slower_side = SlowerSide(start=now)
@@ -156,6 +159,7 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     run_dir = resume if resume is not None else make_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    clear_stop(run_dir)  # a stop asked of an earlier run in this directory is spent
     run_log = attach_controller_log(run_dir)  # logs/controller.log; roles log beside it
     log.info("run %s: mode %s", run_dir, cfg.runtime.mode)
     memory = PeakMemorySampler(interval_s=0.5)
@@ -281,11 +285,13 @@ def _summary(
         "max_staleness": cfg.rollout.max_staleness,
         "initial_eval_accuracy": sink.first_eval,
         "final_eval_accuracy": sink.last_eval,
-        "num_steps": cfg.trainer.steps,
+        "num_steps": sink.last_step,
+        # Asked to end early (`streamrl stop`); `streamrl train --resume` goes on to the rest.
+        "stopped_early": sink.last_step < cfg.trainer.steps,
         "resumed_from_step": start_step,
         "wall_time_s": time.time() - started,
         "rl_wall_time_s": rl_wall,
-        "rl_steps_per_s": (cfg.trainer.steps - start_step) / max(rl_wall, 1e-9),
+        "rl_steps_per_s": (sink.last_step - start_step) / max(rl_wall, 1e-9),
         "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
         "peak_memory_bytes": peak_bytes,
         "num_samples_dropped": dict(sink.dropped),

@@ -287,7 +287,7 @@ class TrainerWithHooks:
 
     @property
     def done(self) -> bool:
-        return self.role.current >= self.hooks.ctx.cfg.trainer.steps
+        return self.hooks.stopped or self.role.current >= self.hooks.ctx.cfg.trainer.steps
 
     def drain(self) -> list[dict[str, Any]]:
         out = []

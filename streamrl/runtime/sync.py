@@ -116,6 +116,8 @@ def run_sync(
             record["metrics"]["time/step_s"] = time.perf_counter() - started
             record["roles"] = {"rollout": {"busy_s": rollout_s}}
             on_record(hooks.after_step(record))
+            if hooks.stopped:  # `streamrl stop RUN_DIR`
+                break
     finally:
         scorer.close()
         trainer.learner.close()

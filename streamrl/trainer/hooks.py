@@ -5,17 +5,25 @@ Runs in the trainer's own process (it holds the model), in every mode. Steps in 
 metrics count policy versions: the initial evaluation is step 0 and the record of the k-th
 optimizer step is step k. A step's sample ids are appended to `trained_samples.jsonl` before
 any checkpoint that includes the step is written, so the log never lags a checkpoint.
+
+A stop asked for from outside (`streamrl stop RUN_DIR`) makes the step just trained the last:
+it is evaluated and checkpointed as the planned last step would be, and `stopped` tells the
+driver loop to end.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
 from streamrl.runtime.components import Evaluator
 from streamrl.runtime.context import RunContext
+from streamrl.runtime.control import stop_requested
 from streamrl.trainer.checkpoint import save_checkpoint
+
+log = logging.getLogger(__name__)
 
 SAMPLES_LOG = "trained_samples.jsonl"
 
@@ -26,6 +34,7 @@ class TrainerHooks:
         self.learner = learner
         self.evaluator = Evaluator(ctx, learner.model)
         self.bus_state = bus_state  # callable returning the bus's state dict, or None
+        self.stopped = False  # a stop was asked for: the last step is done
 
     def initial_record(self) -> dict[str, Any]:
         start = time.perf_counter()
@@ -49,6 +58,9 @@ class TrainerHooks:
         with (self.ctx.run_dir / SAMPLES_LOG).open("a") as f:
             f.write(json.dumps(line) + "\n")
         last = version >= t.steps
+        if not last and stop_requested(self.ctx.run_dir):
+            log.info("trainer: stop requested; ending after step %d with a checkpoint", version)
+            self.stopped = last = True
         if last or (t.eval_every and version % t.eval_every == 0):
             start = time.perf_counter()
             record["metrics"]["eval/accuracy"] = self.evaluator.accuracy()
