@@ -1,6 +1,6 @@
 """The trainer's forward and backward with oneDNN linears against PyTorch's default (MKL).
 
-`model.onednn_linears` (on by default) routes the fp32 CPU linear layers of the models that
+`model.onednn_linears` ("auto" by default: on for AVX-512 CPUs not made by Intel) routes the fp32 CPU linear layers of the models that
 train and score through oneDNN (`streamrl.models.onednn`). This script times the trainer's unit
 of work, the forward and backward of one micro-batch through `response_logprobs` (the function
 the trainer, reference and pi_old roles share), with both, side by side in one run:

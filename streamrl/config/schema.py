@@ -32,11 +32,12 @@ class ModelConfig(Section):
     """Built-in tiny model: attention heads (key/value heads are half of these)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and the builtin engine."""
-    onednn_linears: bool = True
-    """In fp32 on a CPU, run the linear layers of the models that train and score (trainer,
-    reference, pi_old, critic; forward and backward) through oneDNN instead of MKL: about 2x
-    faster products on AVX-512 CPUs, the same results to fp32 rounding. The builtin engine uses
-    oneDNN wherever it can either way."""
+    onednn_linears: bool | Literal["auto"] = "auto"
+    """In fp32 on a CPU, run the linear layers of the builtin engine and of the models that train
+    and score (trainer, reference, pi_old, critic; forward and backward) through oneDNN instead
+    of MKL; the same results to fp32 rounding. "auto": oneDNN on AVX-512 CPUs not made by Intel
+    (there MKL runs its AVX2 kernels and oneDNN's products are about 2x faster), MKL elsewhere
+    (on Intel CPUs MKL is the faster one)."""
 
 
 class WarmStartConfig(Section):

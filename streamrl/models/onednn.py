@@ -1,18 +1,25 @@
 """fp32 linear layers through oneDNN on CPUs, in the forward pass and in both backward products.
 
-PyTorch's fp32 `F.linear` on a CPU goes through MKL, which on the AMD EPYC CPUs this project is
-developed on runs its AVX2 kernels (about 110 GFLOP/s per core); oneDNN, which ships inside
-PyTorch, runs the same products with AVX-512 at about 245 GFLOP/s (`[1620 x 128] x [128 x 1024]`,
-one thread: 4.0 ms against 1.7 ms). The builtin engine packs its weights for oneDNN
+PyTorch's fp32 `F.linear` on a CPU goes through MKL, which picks its kernels by CPU vendor: on
+AMD EPYC CPUs with AVX-512 it runs its AVX2 kernels (about 110 GFLOP/s per core), while oneDNN,
+which ships inside PyTorch, runs the same products with AVX-512 at about 245 GFLOP/s
+(`[1620 x 128] x [128 x 1024]`, one thread: 4.0 ms against 1.7 ms). On Intel CPUs MKL uses
+AVX-512 itself and is the faster of the two (the trainer's forward and backward: oneDNN 0.88x),
+and without AVX-512 they are about equal. So `model.onednn_linears="auto"` (`resolve_onednn`)
+means oneDNN exactly on AVX-512 CPUs not made by Intel.
+
+The builtin engine packs its weights for oneDNN when it is chosen
 (`streamrl.rollout.builtin_engine`); `use_onednn_linears(model)` gives a model's training and
-scoring the same speed: every plain `nn.Linear` computes y = x W^T + b, dx = dy W and
+scoring the same products: every plain `nn.Linear` computes y = x W^T + b, dx = dy W and
 dW = dy^T x through oneDNN. Parameters, state dicts and `isinstance(m, nn.Linear)` are unchanged;
 the results differ from MKL's only in fp32 summation order.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +44,38 @@ def onednn_linear_usable(device: torch.device | str, dtype: torch.dtype) -> bool
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def prefers_onednn(cpuinfo: str) -> bool:
+    """Whether oneDNN's fp32 products beat MKL's on the CPU that `cpuinfo` (the text of
+    /proc/cpuinfo) describes: one with AVX-512 from a vendor other than Intel."""
+    first_cpu = cpuinfo.split("\n\n", 1)[0]
+    fields = {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in first_cpu.splitlines())
+    }
+    flags = fields.get("flags", "").split()
+    return fields.get("vendor_id") != "GenuineIntel" and "avx512f" in flags
+
+
+@functools.cache
+def onednn_preferred() -> bool:
+    """`prefers_onednn` for this machine (False where there is no /proc/cpuinfo)."""
+    try:
+        return prefers_onednn(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:
+        return False
+
+
+def resolve_onednn(setting: bool | str) -> bool:
+    """`model.onednn_linears` (True, False or "auto") as a yes or no for this machine."""
+    return onednn_preferred() if setting == "auto" else bool(setting)
+
+
+def configure_linears(model: nn.Module, setting: bool | str) -> int:
+    """Route `model`'s linears through oneDNN if `setting` (`model.onednn_linears`) says so
+    here; returns the number of layers switched."""
+    return use_onednn_linears(model) if resolve_onednn(setting) else 0
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

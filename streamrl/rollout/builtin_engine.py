@@ -2,8 +2,9 @@
 
 It needs nothing beyond PyTorch and transformers, and drives a Llama-family decoder (Qwen3,
 Qwen2, Llama; the built-in tiny model is a Qwen3) with its own forward pass instead of the
-model's `forward`: fused projections prepacked for oneDNN (about twice the fp32 matmul
-throughput of `F.linear` on an AVX-512 CPU), about twenty tensor ops a layer per decode step, no
+model's `forward`: fused projections (prepacked for oneDNN on AVX-512 CPUs where MKL, behind
+`F.linear`, runs its AVX2 kernels: about twice the throughput), about twenty tensor ops a layer
+per decode step, no
 Python work per sequence. On a CPU a small model is bound by exactly those costs
 (`docs/benchmarks.md` has the figures). The file holds the three parts in order: sampling, the
 model runner, and the engine with its scheduler.
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
-from streamrl.models.onednn import onednn_linear_usable
+from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -110,7 +111,7 @@ class DecoderRunner:
     `load_weights`) reach it through `refresh`, which rebuilds what it derives from them: the
     query/key/value and gate/up projections fused into one matmul each, with the preceding
     RMSNorm's weight and (for queries) the attention scale folded in, and every projection
-    weight packed for oneDNN where that is usable (`_Linear`). Per layer the cache holds keys
+    weight packed for oneDNN where that is wanted and usable (`_Linear`). Per layer the cache holds keys
     and values [slots, kv_heads, max_len, head_dim]; slot s holds its sequence's tokens in
     columns [0, length_s). Activations are flat: [tokens, features].
     """
@@ -137,10 +138,9 @@ class DecoderRunner:
         self.model = model
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
-        usable = onednn_linear_usable(self.device, self.dtype)
-        if use_onednn and not usable:
-            raise ValueError(f"oneDNN linear is not usable for {self.dtype} on {self.device}")
-        self.use_onednn = usable if use_onednn is None else use_onednn
+        # Wanted (None: where it beats MKL, `model.onednn_linears="auto"`) and usable (fp32, CPU).
+        wanted = onednn_preferred() if use_onednn is None else use_onednn
+        self.use_onednn = wanted and onednn_linear_usable(self.device, self.dtype)
         self.head_dim = model.model.layers[0].self_attn.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -351,7 +351,8 @@ class _Linear:
 
     With `onednn`, the weight is packed once into oneDNN's blocked layout and the product runs
     through oneDNN (the kernels PyTorch's own compiler uses for CPU linears): in fp32 on an
-    AVX-512 CPU it is about twice as fast as `F.linear`, whose fp32 path goes through MKL.
+    AMD AVX-512 CPU it is about twice as fast as `F.linear`, whose fp32 path goes through MKL
+    (on Intel CPUs MKL is faster: `streamrl.models.onednn.onednn_preferred`).
     The packed weight is a copy: `DecoderRunner.refresh` rebuilds it when the model changes.
     """
 
@@ -383,9 +384,17 @@ class _Linear:
 class BuiltinEngine:
     """Continuous-batching KV-cache decoding of a Llama-family transformers model in this process."""
 
-    def __init__(self, model, *, eos_token_id: int, pad_token_id: int, max_batch_size: int = 512):
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_batch_size: int = 512,
+        use_onednn: bool | None = None,
+    ):
         self.model = model
-        self.runner = DecoderRunner(model)
+        self.runner = DecoderRunner(model, use_onednn=use_onednn)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size

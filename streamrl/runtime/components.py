@@ -16,7 +16,7 @@ from streamrl.config.schema import Config
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
-from streamrl.models.onednn import use_onednn_linears
+from streamrl.models.onednn import configure_linears, resolve_onednn
 from streamrl.reward.sandbox import SandboxedScorer
 from streamrl.reward.scoring import resolve_callable
 from streamrl.rollout.builtin_engine import BuiltinEngine
@@ -135,6 +135,7 @@ def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine | Sgl
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         max_batch_size=ctx.cfg.rollout.max_batch_size,
+        use_onednn=resolve_onednn(ctx.cfg.model.onednn_linears),
     )
 
 
@@ -187,8 +188,7 @@ def load_policy_model(ctx: RunContext, device_key: str = "trainer.device"):
     section, field = device_key.split(".")
     device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
     model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
-    if ctx.cfg.model.onednn_linears:
-        use_onednn_linears(model)
+    configure_linears(model, ctx.cfg.model.onednn_linears)
     return model
 
 
@@ -251,8 +251,7 @@ def make_critic(ctx: RunContext):
     c = ctx.cfg.critic
     torch.manual_seed(ctx.cfg.run.seed)
     model = load_value_model(ctx.policy_dir, ctx.cfg.model.dtype)
-    if ctx.cfg.model.onednn_linears:
-        use_onednn_linears(model)
+    configure_linears(model, ctx.cfg.model.onednn_linears)
     return Critic(
         model,
         pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,

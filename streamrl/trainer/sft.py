@@ -25,7 +25,7 @@ from streamrl.config.schema import Config
 from streamrl.data import arith
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
-from streamrl.models.onednn import use_onednn_linears
+from streamrl.models.onednn import configure_linears
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.logprobs import pack, response_logprobs
 
@@ -94,8 +94,7 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
-    if cfg.model.onednn_linears:
-        use_onednn_linears(model)
+    configure_linears(model, cfg.model.onednn_linears)
     model.train()
     rng = random.Random(cfg.run.seed)
     problems = arith.sample_problems(

@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from streamrl.models.onednn import OneDnnLinear, onednn_linear_usable, use_onednn_linears
+from streamrl.models.onednn import (
+    OneDnnLinear,
+    onednn_linear_usable,
+    prefers_onednn,
+    resolve_onednn,
+    use_onednn_linears,
+)
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_usable("cpu", torch.float32), reason="this PyTorch build has no oneDNN"
@@ -93,3 +99,17 @@ def test_onednn_kernel_caches_are_bounded_unless_the_user_says_otherwise():
     env["LRU_CACHE_CAPACITY"] = "7"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == ["7", "256"], out.stderr
+
+
+@pytest.mark.parametrize(
+    ("vendor", "flags", "expected"),
+    [
+        ("AuthenticAMD", "fpu sse2 avx2 avx512f avx512bw", True),  # MKL runs AVX2 here
+        ("GenuineIntel", "fpu sse2 avx2 avx512f avx512bw", False),  # MKL runs AVX-512 itself
+        ("AuthenticAMD", "fpu sse2 avx2 fma", False),  # no AVX-512: about equal, keep MKL
+    ],
+)
+def test_auto_picks_onednn_only_where_mkl_leaves_avx512_unused(vendor, flags, expected) -> None:
+    cpu = f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n"
+    assert prefers_onednn(f"{cpu}\n{cpu.replace(': 0', ': 1')}") is expected
+    assert resolve_onednn(True) and not resolve_onednn(False)
