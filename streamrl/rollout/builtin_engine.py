@@ -4,10 +4,9 @@ It needs nothing beyond PyTorch and transformers, and drives a Llama-family deco
 Qwen2, Llama; the built-in tiny model is a Qwen3) with its own forward pass instead of the
 model's `forward`: fused projections (prepacked for oneDNN on AVX-512 CPUs where MKL, behind
 `F.linear`, runs its AVX2 kernels: about twice the throughput), about twenty tensor ops a layer
-per decode step, no
-Python work per sequence. On a CPU a small model is bound by exactly those costs
-(`docs/benchmarks.md` has the figures). The file holds the three parts in order: sampling, the
-model runner, and the engine with its scheduler.
+per decode step, no Python work per sequence. On a CPU a small model is bound by exactly those
+costs (`docs/benchmarks.md` has the figures). The file holds the three parts in order:
+sampling, the model runner, and the engine with its scheduler.
 
 How a call to `generate` runs:
 
@@ -111,9 +110,9 @@ class DecoderRunner:
     `load_weights`) reach it through `refresh`, which rebuilds what it derives from them: the
     query/key/value and gate/up projections fused into one matmul each, with the preceding
     RMSNorm's weight and (for queries) the attention scale folded in, and every projection
-    weight packed for oneDNN where that is wanted and usable (`_Linear`). Per layer the cache holds keys
-    and values [slots, kv_heads, max_len, head_dim]; slot s holds its sequence's tokens in
-    columns [0, length_s). Activations are flat: [tokens, features].
+    weight packed for oneDNN where that is wanted and usable (`_Linear`). Per layer the cache
+    holds keys and values [slots, kv_heads, max_len, head_dim]; slot s holds its sequence's
+    tokens in columns [0, length_s). Activations are flat: [tokens, features].
     """
 
     def __init__(self, model, *, use_onednn: bool | None = None):

@@ -52,7 +52,7 @@ def request_stop(run_dir: Path) -> None:
 
 
 def stop_requested(run_dir: Path) -> bool:
-    """Checked by the trainer after every step (one `stat` while nothing was asked)."""
+    """Checked by the trainer after every step (one `stat` while no control file exists)."""
     return (run_dir / CONTROL_FILE).exists() and bool(_read(run_dir).get("stop"))
 
 
