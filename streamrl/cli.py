@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from streamrl.runtime.controller import train
 
-    train(cfg, resume=resume)
+    try:
+        train(cfg, resume=resume)
+    except KeyboardInterrupt:  # a second Ctrl-C; the controller said how to resume
+        return 130
     return 0
 
 

@@ -54,7 +54,15 @@ class SandboxedScorer:
             self.fn_path,
             str(self.memory_limit_bytes),
         ]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        # A session of its own: a Ctrl-C in the terminal (a graceful stop of the run) must not
+        # kill the worker mid-task. It exits when its stdin closes, whatever ends the caller.
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            start_new_session=True,
+        )
         self._buffer = b""
         # The worker says "ready" once it has imported the reward function; only then do
         # per-task timeouts start, so a slow import is never mistaken for a hanging reward.

@@ -8,19 +8,27 @@ drains surplus ones (a replica finishes the rows it holds, then stops: nothing i
 `streamrl stop RUN_DIR` (`request_stop`) asks the run to end after the step it is training: the
 trainer evaluates, writes a checkpoint and the summary as at a planned end, and
 `streamrl train --resume RUN_DIR` later continues from there to `trainer.steps`. A run clears
-the request when it starts, so a resumed run does not stop at once.
+the request when it starts, so a resumed run does not stop at once. Ctrl-C in the terminal of a
+training run asks the same (`stop_on_interrupt`); a second Ctrl-C stops it at once.
 
 Ray-free, so the commands start in a blink.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from streamrl.config.schema import SCALABLE_ROLES
+
+log = logging.getLogger(__name__)
 
 CONTROL_FILE = "control.json"
 
@@ -61,6 +69,32 @@ def clear_stop(run_dir: Path) -> None:
     control = _read(run_dir)
     if control.pop("stop", None) is not None:
         _write(run_dir, control)
+
+
+@contextlib.contextmanager
+def stop_on_interrupt(run_dir: Path) -> Iterator[None]:
+    """While in this block, a first SIGINT (Ctrl-C) asks the run to stop after its current step,
+    as `streamrl stop` does; a second raises KeyboardInterrupt as usual. Only in the main
+    thread (where Python delivers signals); elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first_interrupt(signum, frame) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one interrupts
+        request_stop(run_dir)
+        log.warning(
+            "Ctrl-C: stopping after the current step, with a checkpoint (Ctrl-C again to stop "
+            "at once; `streamrl train --resume %s` continues either way)",
+            run_dir,
+        )
+
+    signal.signal(signal.SIGINT, first_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -28,7 +28,7 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
-from streamrl.runtime.control import clear_stop
+from streamrl.runtime.control import clear_stop, stop_on_interrupt
 from streamrl.runtime.errors import TrainerLost
 from streamrl.runtime.logs import attach_controller_log, detach, log_failure
 from streamrl.runtime.roles import base_role
@@ -199,7 +199,7 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             else:  # after a trainer restart: keep the first evaluation and the counters
                 sink.tracker, sink.progress, sink._last_time = tracker, progress, None
             try:
-                with progress:
+                with progress, stop_on_interrupt(run_dir):
                     role_stats = _run_mode(ctx, sink, start_step)
                 break
             except TrainerLost as e:
@@ -223,6 +223,12 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
         role_stats["trainer_restarts"] = trainer_restarts + in_place
         rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
         tracker.close()
+    except KeyboardInterrupt:
+        log.warning(
+            "interrupted; `streamrl train --resume %s` continues from its latest checkpoint",
+            run_dir,
+        )
+        raise
     except Exception:
         log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
         raise

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
@@ -174,6 +175,9 @@ def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -
         os._exit(1)
 
     threading.Thread(target=watch_parent, daemon=True).start()
+    # A terminal's Ctrl-C reaches this process too; rank 0 decides (a graceful stop of the run,
+    # after which it stops these ranks), so it must not kill a rank mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     init_distributed(rank, world_size, init_method, device=_backend_device(spec.device))
     learner = build_rank_learner(spec)
