@@ -95,11 +95,14 @@ def format_status(run_dir: Path) -> str:
     """A table of `roles.json`, which the supervisor keeps current while the run is alive."""
     import time
 
+    from streamrl.runtime.control import stop_requested
     from streamrl.runtime.status import read_status
 
     status = read_status(run_dir)
     age = time.time() - status["updated"]
     state = "running" if status.get("running", True) else "finished (roles stopped)"
+    if state == "running" and stop_requested(run_dir):
+        state = "running, stop requested (it ends after its current step)"
     lines = [
         f"{run_dir}: {state}, updated {age:.0f}s ago",
         f"{'role':10} {'node':15} {'pid':>7} {'health':8} {'restarts':8} log",

@@ -4,7 +4,7 @@ The driver collects one flat mapping at the end of a run and hands it to
 `write_summary` and `print_summary`. Any keys are accepted; these are shown first,
 under friendlier labels, when present:
 
-    run_name, initial_eval_accuracy, final_eval_accuracy, num_steps, wall_time_s,
+    run_name, initial_eval_accuracy, final_eval_accuracy, num_steps, stopped_early, wall_time_s,
     tokens_per_s, peak_memory_bytes, num_samples_trained, num_samples_dropped
     (an int, or a mapping reason -> count), trainer_idle_fraction
 
@@ -31,6 +31,7 @@ _LABELS: dict[str, str] = {
     "initial_eval_accuracy": "initial eval accuracy",
     "final_eval_accuracy": "final eval accuracy",
     "num_steps": "steps",
+    "stopped_early": "stopped early",
     "wall_time_s": "wall time",
     "tokens_per_s": "tokens/s",
     "peak_memory_bytes": "peak memory",

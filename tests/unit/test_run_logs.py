@@ -90,6 +90,10 @@ def test_status_points_to_the_logs(tmp_path):
     status = format_status(tmp_path)
     assert "logs/rollout-1.log" in status
     assert f"{tmp_path}/logs" in status and "events.jsonl" in status
+    assert "stop requested" not in status
+    (tmp_path / "config.yaml").write_text("{}\n")
+    assert main(["stop", str(tmp_path)]) == 0
+    assert "running, stop requested" in format_status(tmp_path)
 
 
 def test_logs_command_tails_one_role_or_all(tmp_path, capsys):
