@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -322,12 +323,42 @@ class WorkerExtension:
             from safetensors.torch import load
 
             payload = list(load(payload).items())
-        self.reload_weights(weights_iterator=iter(payload), is_checkpoint_format=True)
         model = self.model_runner.get_model()
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        _quiet_expected_reload_skips(tied)
+        self.reload_weights(weights_iterator=iter(payload), is_checkpoint_format=True)
+        if tied:
             # The checkpoint has no output-layer weight, so the reload skipped that layer: point
             # it at the new embedding again and rebuild what its kernel derived from the weight
             # (on CPU a packed copy for the logits GEMM, which would otherwise keep old values).
             lm_head = model.lm_head
             lm_head.weight = model.model.embed_tokens.weight
             lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ExpectedReloadSkips(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" warning, logged on every reload, for the
+    layers a checkpoint never holds: the rotary embedding (it has no weights) and a tied output
+    layer (re-tied by `streamrl_load_weights`). Other layers still warn."""
+
+    def __init__(self, layers: frozenset[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        expected = (
+            record.msg == "%s: Failed to load weights" and args[:1] and args[0] in self.layers
+        )
+        return not expected
+
+
+def _quiet_expected_reload_skips(tied: bool) -> None:
+    """Installs `_ExpectedReloadSkips` on vLLM's reload logger, once per process."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedReloadSkips) for f in logger.filters):
+        layers = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
+        logger.addFilter(_ExpectedReloadSkips(frozenset(layers)))

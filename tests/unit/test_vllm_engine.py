@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -167,6 +168,26 @@ def test_loaded_weights_reach_every_layer(engine, base_model, prompts, only: str
     results = engine.generate(requests(prompts, "a", "b", "c"), params)
     assert_logprobs_match(model, results, prompts, temperature=1.0)
     assert all(set(r.versions) == {version} for r in results)
+
+
+def test_a_reload_warns_only_about_layers_it_failed_to_load(engine, base_model) -> None:
+    # vLLM warns "<layer>: Failed to load weights" on every reload for the rotary embedding and
+    # the tied output layer, neither of which a checkpoint holds: that warning is dropped for
+    # those two, and still reaches the log for any other layer.
+    from streamrl.rollout.vllm_replica import RELOAD_LOGGER
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addHandler(handler)
+    try:
+        engine.load_weights(engine.version + 1, dict(perturbed(base_model).named_parameters()))
+        assert [r.getMessage() for r in records if "Failed to load" in r.getMessage()] == []
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+        assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_weights_as_read_only_numpy_arrays(engine, base_model, prompts) -> None:
