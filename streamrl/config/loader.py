@@ -6,6 +6,7 @@ order. Every error names the bad key, the bad value and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def _check_key(dotted: str) -> None:
             where = ".".join(parts[:i]) or "the top level"
             raise ConfigError(
                 f"unknown config key {dotted!r}: {part!r} is not a field of {where}; "
-                f"allowed: {', '.join(sorted(fields))}"
+                f"allowed: {', '.join(sorted(fields))}{_did_you_mean(dotted)}"
             )
         annotation = fields[part].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -107,9 +108,34 @@ def _explain(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             section = _section_for(item["loc"][:-1])
             allowed = ", ".join(sorted(section.model_fields)) if section else "?"
-            msg = f"unknown key; allowed here: {allowed}"
+            msg = f"unknown key; allowed here: {allowed}{_did_you_mean(key)}"
         lines.append(f"  {key} = {value!r}: {msg}")
     return "\n".join(lines)
+
+
+def _did_you_mean(dotted: str) -> str:
+    """The existing keys a mistyped or misplaced `dotted` key most likely meant, as the end of an
+    error message: keys of the same name in other sections (`trainer.lr` -> `algorithm.lr`),
+    keys of the same section that start with it (`algorithm.kl` -> `algorithm.kl_coef`), then
+    near spellings of the whole key (`rollout.groupsize` -> `rollout.group_size`)."""
+    keys = _leaf_keys(Config)
+    section, _, name = dotted.rpartition(".")
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    longer = [k for k in keys if k.startswith(f"{section}.{name}" if section else name)]
+    close = difflib.get_close_matches(dotted, keys, n=3, cutoff=0.75)
+    found = list(dict.fromkeys([*same_name, *longer, *close]))[:4]
+    return f"; did you mean {' or '.join(found)}?" if found else ""
+
+
+def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted key of every field of `model` that holds a value (not a section)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys.extend(_leaf_keys(field.annotation, f"{prefix}{name}."))
+        else:
+            keys.append(prefix + name)
+    return keys
 
 
 def _section_for(loc: Sequence[Any]) -> type[BaseModel] | None:

@@ -88,6 +88,28 @@ def test_unknown_key_lists_the_allowed_keys() -> None:
         load_config(["modle.path=x"])
 
 
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("trainer.lr", "algorithm.lr"),  # the same name in another section
+        ("lr", "algorithm.lr"),
+        ("algorithm.kl", "algorithm.kl_coef"),  # the start of a longer name
+        ("rollout.groupsize", "rollout.group_size"),  # a near spelling
+    ],
+)
+def test_unknown_key_suggests_what_was_meant(key: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match=rf"did you mean .*\b{meant}\b"):
+        load_config([f"{key}=1"])
+
+
+def test_unknown_key_in_a_file_suggests_what_was_meant(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", {"rollout": {"temp": 0.5}})
+    with pytest.raises(
+        ConfigError, match=r"rollout.temp = 0.5: .*did you mean rollout.temperature"
+    ):
+        load_config([path])
+
+
 def test_unknown_key_in_a_file_lists_the_allowed_keys(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "c.yaml", {"algorithm": {"learning_rate": 0.1}})
     with pytest.raises(ConfigError) as err:
