@@ -53,6 +53,9 @@ class RoleThread:
         self.thread = threading.Thread(target=self._run, name=f"streamrl-{name}", daemon=True)
 
     def _run(self) -> None:
+        # OpenMP keeps a thread count per thread: set this one's too. (vLLM's CPU attention
+        # fails when it differs from the count vLLM built its metadata with at start-up.)
+        set_threads(1)
         try:
             loop_role(self.role, self._stop, self._poll_s)
         except BaseException as e:  # noqa: BLE001 - handed to the driver, which ends the run

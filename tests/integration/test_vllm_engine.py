@@ -14,6 +14,7 @@
    engine that missed an update would serve its share from old weights and the mismatch would
    jump by orders of magnitude (measured: 4e-8 to 1.6e-7 per step). The rollout role's log must
    show that both engines served requests.
+4. The same bound in threads mode (every role a thread of one process, vLLM in the rollout's).
 
 Needs vLLM (`make install-vllm`); skipped without it unless STREAMRL_REQUIRE_VLLM=1 (set by the
 Makefile's test targets), which turns the skip into a failure.
@@ -85,6 +86,37 @@ def test_vllm_logprobs_match_the_trainers_on_identical_weights(tmp_path):
     assert len(steps) == 10
     for m in steps:
         assert m["train/trained_tokens"] > 0, m["step"]  # the bound below is about real tokens
+        assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
+
+
+def test_threads_mode_runs_vllm_on_the_weights_being_trained(tmp_path):
+    # Every role a thread of one process: vLLM is built in the main thread and generates in the
+    # rollout's (each role thread sets its own OpenMP thread count; vLLM's CPU attention checks
+    # that it matches the one its metadata was built with). At max_staleness=0 every token is
+    # sampled by the weights the trainer then scores it with, so the mismatch bound holds.
+    run_dir = tmp_path / "threads"
+    run_cli(
+        [
+            "train",
+            "rollout.engine=vllm",
+            "runtime.mode=threads",
+            "rollout.max_staleness=0",
+            "rollout.batch_prompts=8",
+            "rollout.group_size=4",
+            "trainer.steps=4",
+            "trainer.eval_every=0",
+            "run.progress=false",
+            "run.log_every=0",
+            "run.tensorboard=false",
+            f"run.run_dir={run_dir}",
+        ]
+    )
+    steps = train_steps(run_dir)
+    assert len(steps) == 4
+    trained = [m for m in steps if m["train/trained_tokens"] > 0]
+    assert len(trained) >= 2, [m["train/trained_tokens"] for m in steps]
+    for m in trained:
+        assert m["staleness/max"] == 0, m["step"]
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
 
 
