@@ -8,10 +8,13 @@ use every core, as a user would run them; async mode gives each role process one
 - `trl`: TRL 1.13 `GRPOTrainer` on CPU, generation with `model.generate` (no vLLM);
 - `sync`: `streamrl train runtime.mode=sync` (generate, score, train in turn, in one process);
 - `async`: `streamrl train` as shipped (every role its own Ray process, max_staleness=1);
-- `async-noskip`: the same with `algorithm.skip_zero_advantage=false`. streamrl by default skips
-  the forward and backward of samples whose advantage is 0 (groups whose rewards are all equal:
-  the gradient is the same without them); TRL computes them. This run shows how much of the
-  difference is that shortcut and how much is the rest of the system.
+- `async-threads`: the same asynchronous job in `runtime.mode=threads` (every role a thread of
+  one process: no Ray calls between the roles; the mode docs/architecture.md suggests for small
+  models on a few cores). Not in the default `--systems`;
+- `async-noskip`: the async run with `algorithm.skip_zero_advantage=false`. streamrl by
+  default skips the forward and backward of samples whose advantage is 0 (groups whose rewards
+  are all equal: the gradient is the same without them); TRL computes them. This run shows
+  how much of the difference is that shortcut and how much is the rest of the system.
 
 What is held equal, and how:
 
@@ -66,7 +69,8 @@ system N times, each round starting with the next system, and pools the remainin
 The last line gives, per model size, the median s/step of TRL over that of streamrl's async run:
 "TRL time / streamrl async time = X.XX (tiny), Y.YY (large)" (> 1: streamrl is faster).
 
-    python benchmarks/vs_trl.py [--models tiny large] [--systems trl sync async async-noskip]
+    python benchmarks/vs_trl.py [--models tiny large]
+        [--systems trl sync async async-threads async-noskip]
         [--tiny-steps 30] [--large-steps 8] [--warmup-steps 3] [--rounds 1] ...
 """
 
@@ -89,10 +93,11 @@ from typing import Any
 from common import train_command
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("trl", "sync", "async", "async-noskip")
+SYSTEMS = ("trl", "sync", "async", "async-threads", "async-noskip")
 STREAMRL_SYSTEMS = {  # system -> its overrides on top of the workload's
     "sync": ["runtime.mode=sync"],
     "async": ["runtime.mode=ray"],
+    "async-threads": ["runtime.mode=threads"],
     "async-noskip": ["runtime.mode=ray", "algorithm.skip_zero_advantage=false"],
 }
 
@@ -349,7 +354,8 @@ def num_parameters(policy_dir: Path) -> int:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=("tiny", "large"), default=["tiny", "large"])
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    default_systems = [s for s in SYSTEMS if s != "async-threads"]
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=default_systems)
     add_workload_args(p)
     p.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args()
@@ -476,7 +482,7 @@ def print_table(
             continue
         if note is not None:
             note(work)
-        for system in ("sync", "async-noskip"):
+        for system in ("sync", "async-threads", "async-noskip"):
             if system in figures:
                 ratio = figures[baseline].median_step_s / figures[system].median_step_s
                 print(f"{work.name}: {label} time / streamrl {system} time = {ratio:.2f}")
