@@ -181,14 +181,16 @@ def resolve_device(key: str, device: str) -> str:
     return device
 
 
-def load_policy_model(ctx: RunContext, device_key: str = "trainer.device"):
+def load_policy_model(ctx: RunContext, device_key: str = "trainer.device", *, onednn: bool = True):
     """The policy model from the run's model directory, on the device the setting `device_key`
     names (the trainer, reference and pi_old models use `trainer.device`, the builtin engine
-    `rollout.device`). Every role loads its model through here."""
+    `rollout.device`). Every role loads its model through here. `onednn=False` keeps PyTorch's
+    own linears whatever `model.onednn_linears` says (a compiled trainer)."""
     section, field = device_key.split(".")
     device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
     model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
-    configure_linears(model, ctx.cfg.model.onednn_linears)
+    if onednn:
+        configure_linears(model, ctx.cfg.model.onednn_linears)
     return model
 
 
@@ -210,7 +212,10 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         padding_free=t.padding_free,
     )
     if t.world_size == 1:
-        return Learner(load_policy_model(ctx), **kwargs)
+        # oneDNN's linears are a custom op that inductor cannot lower: a compiled trainer keeps
+        # PyTorch's (inductor then picks the matmul kernels itself).
+        model = load_policy_model(ctx, onednn=not t.compile)
+        return Learner(model, compile=t.compile, **kwargs)
     # Imported here: FSDP2 and distributed checkpoints cost every role process a second of
     # imports (DTensor, sympy) that only a multi-rank trainer needs.
     from streamrl.trainer.fsdp import FSDPSettings

@@ -49,10 +49,14 @@ class Learner:
         total_steps: int = 1,
         min_lr_ratio: float = 0.1,
         padding_free: bool = False,
+        compile: bool = False,
     ):
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
         self.model = model
+        # What the training forward calls: the model, or a compiled view of it sharing its
+        # parameters (evaluation and the engine keep calling the model itself).
+        self.forward_model = compile_for_training(model) if compile else model
         self.lr = lr
         self.lr_schedule = lr_schedule
         self.total_steps = total_steps
@@ -100,10 +104,12 @@ class Learner:
         with_entropy = s.entropy_coef > 0
         if self.padding_free:  # the rows end to end in one sequence: no compute on padding
             out = padding_free_logprobs(
-                self.model, prompts, responses, self.temperature, with_entropy=with_entropy
+                self.forward_model, prompts, responses, self.temperature, with_entropy=with_entropy
             )
         else:
-            out = response_logprobs(self.model, batch, self.temperature, with_entropy=with_entropy)
+            out = response_logprobs(
+                self.forward_model, batch, self.temperature, with_entropy=with_entropy
+            )
         logprobs_bt, entropy_bt = out if with_entropy else (out, None)
         loss_sum, stats = policy_loss_sum(
             logprobs_bt,
@@ -237,3 +243,14 @@ def _pad_like(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
         values = torch.tensor(np.asarray(s, dtype=np.float32), device=mask_bt.device)
         out[i, : len(values)] = values
     return out
+
+
+def compile_for_training(model):
+    """`model` through `torch.compile` (inductor, dynamic shapes): a module that shares its
+    parameters. Where compilation fails (no C++ compiler, an op inductor cannot lower), dynamo
+    warns and runs that part eagerly instead of failing the run."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    log.info("trainer: compiling forward and backward (torch.compile); the first step is slower")
+    return torch.compile(model, dynamic=True)

@@ -145,6 +145,11 @@ def test_cross_field_check_names_both_fields() -> None:
         load_config(["model.hidden_size=30"])
 
 
+def test_a_compiled_trainer_needs_one_process() -> None:
+    with pytest.raises(ConfigError, match="trainer.compile.*world_size is 2"):
+        load_config(["trainer.compile=true", "trainer.world_size=2"])
+
+
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="nope.yaml.*does not exist.*key=value"):
