@@ -17,17 +17,14 @@ log-prob and gradient differences, and last the speed-up at each size.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 from common import SIZES
-from trainer_linears import forward_backward, micro_batch
+from trainer_linears import forward_backward, micro_batch, parse_args
 
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
@@ -35,17 +32,7 @@ from streamrl.trainer.learner import compile_for_training
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(
-        f"{args.threads} torch thread(s), torch {torch.__version__}; one micro-batch, "
-        f"forward + backward, median of {args.repeats}"
-    )
-    print("load average before (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    args = parse_args(__doc__)
     speedups = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:

@@ -58,8 +58,10 @@ def forward_backward(model, batch) -> torch.Tensor:
     return logprobs.detach()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """The command line of the trainer benchmarks (`--repeats`, `--threads`, `--sizes`); sets
+    the torch threads and prints them, the unit of work and the machine's load."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -70,6 +72,11 @@ def main() -> None:
         f"{GROUPS} x {GROUP_SIZE} samples, forward + backward, median of {args.repeats}"
     )
     print("load average before (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__)
     speedups = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:

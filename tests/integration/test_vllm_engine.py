@@ -89,17 +89,14 @@ def test_vllm_logprobs_match_the_trainers_on_identical_weights(tmp_path):
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
 
 
-def test_threads_mode_runs_vllm_on_the_weights_being_trained(tmp_path):
-    # Every role a thread of one process: vLLM is built in the main thread and generates in the
-    # rollout's (each role thread sets its own OpenMP thread count; vLLM's CPU attention checks
-    # that it matches the one its metadata was built with). At max_staleness=0 every token is
-    # sampled by the weights the trainer then scores it with, so the mismatch bound holds.
-    run_dir = tmp_path / "threads"
+def on_policy_run(run_dir, *overrides: str) -> list[dict]:
+    """Four steps of 8 groups x 4 with vLLM at max_staleness=0 (every token sampled by the
+    weights the trainer then scores it with): their metrics, each step's mismatch checked."""
     run_cli(
         [
             "train",
             "rollout.engine=vllm",
-            "runtime.mode=threads",
+            *overrides,
             "rollout.max_staleness=0",
             "rollout.batch_prompts=8",
             "rollout.group_size=4",
@@ -111,36 +108,6 @@ def test_threads_mode_runs_vllm_on_the_weights_being_trained(tmp_path):
             f"run.run_dir={run_dir}",
         ]
     )
-    steps = train_steps(run_dir)
-    assert len(steps) == 4
-    trained = [m for m in steps if m["train/trained_tokens"] > 0]
-    assert len(trained) >= 2, [m["train/trained_tokens"] for m in steps]
-    for m in trained:
-        assert m["staleness/max"] == 0, m["step"]
-        assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
-
-
-def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
-    run_dir = tmp_path / "two-engines"
-    run_cli(
-        [
-            "train",
-            "rollout.engine=vllm",
-            "rollout.vllm_engines=2",
-            "rollout.vllm_in_process=false",
-            "rollout.vllm_kv_cache_gib=0.25",
-            "rollout.max_staleness=0",
-            "rollout.batch_prompts=8",
-            "rollout.group_size=4",
-            "trainer.steps=4",
-            "trainer.eval_every=0",
-            "run.progress=false",
-            "run.log_every=0",
-            "run.tensorboard=false",
-            f"run.run_dir={run_dir}",
-        ]
-    )
-    assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
     steps = train_steps(run_dir)
     assert len(steps) == 4
     # A step whose groups all scored alike trains no tokens (nothing to compare then); with 8
@@ -151,6 +118,25 @@ def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
         assert m["staleness/max"] == 0, m["step"]
     for m in trained:
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
+    return steps
+
+
+def test_threads_mode_runs_vllm_on_the_weights_being_trained(tmp_path):
+    # Every role a thread of one process: vLLM is built in the main thread and generates in the
+    # rollout's (each role thread sets its own OpenMP thread count; vLLM's CPU attention checks
+    # that it matches the one its metadata was built with).
+    on_policy_run(tmp_path / "threads", "runtime.mode=threads")
+
+
+def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
+    run_dir = tmp_path / "two-engines"
+    on_policy_run(
+        run_dir,
+        "rollout.vllm_engines=2",
+        "rollout.vllm_in_process=false",
+        "rollout.vllm_kv_cache_gib=0.25",
+    )
+    assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
     # The rollout role logs its stats, with the requests each engine was given, to its log in
     # the run directory.
     logs = sorted((run_dir / "logs").glob("rollout*.log"))

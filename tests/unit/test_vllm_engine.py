@@ -180,6 +180,10 @@ def test_a_reload_warns_only_about_layers_it_failed_to_load(engine, base_model) 
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger(RELOAD_LOGGER)
+    # Another test's logging set-up may have disabled or raised this logger: open it for now.
+    disabled, level = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         engine.load_weights(engine.version + 1, dict(perturbed(base_model).named_parameters()))
@@ -188,6 +192,7 @@ def test_a_reload_warns_only_about_layers_it_failed_to_load(engine, base_model) 
         assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
     finally:
         logger.removeHandler(handler)
+        logger.disabled, logger.level = disabled, level
 
 
 def test_weights_as_read_only_numpy_arrays(engine, base_model, prompts) -> None:
