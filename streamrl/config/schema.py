@@ -316,11 +316,12 @@ class TrainerConfig(Section):
     compile: bool = False
     """Run the trainer's forward and backward through `torch.compile` (inductor, dynamic shapes),
     which fuses the element-wise work around the matmuls: on CPU with the built-in model about
-    1.4x faster per micro-batch, after a one-time compilation of about 40 s in the first step
-    (about 13 s once inductor's on-disk cache holds it). Worth it for runs of hundreds of steps,
-    not for the 100-step default job. The trainer's linears then stay PyTorch's own
+    1.45x faster per micro-batch, after a one-time compilation in the first step (about 50 s on
+    two cores, 13-18 s once inductor's on-disk cache holds it). Worth it for runs of hundreds of
+    steps, not for the 100-step default job. The trainer's linears then stay PyTorch's own
     (`model.onednn_linears` does not apply to it); a one-process trainer only (world_size=1);
-    needs a C++ compiler. See docs/benchmarks.md."""
+    needs a C++ compiler (without one, or where an op does not compile, it runs eagerly, with a
+    warning). See docs/benchmarks.md."""
 
 
 class RolePlacement(Section):
