@@ -287,6 +287,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
+    # The runs start in their own folders: a relative path (`make bench-swift` passes one) would
+    # not be found there. Absolute, not resolved: the venv's python is a symlink out of the venv.
+    a.swift_python = a.swift_python.absolute()
     if "swift" in a.systems and not a.swift_python.exists():
         raise SystemExit(f"{a.swift_python} not found: run `make install-swift` first")
     if not a.omp_spin:  # before torch loads here; every child process inherits it
