@@ -18,13 +18,12 @@ log-prob and gradient differences, and last the speed-up at each size.
 from __future__ import annotations
 
 import copy
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from common import SIZES
-from trainer_linears import forward_backward, micro_batch, parse_args
+from trainer_linears import forward_backward, micro_batch, parse_args, side_by_side
 
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
@@ -38,33 +37,19 @@ def main() -> None:
         for size in args.sizes:
             model_dir = build_tiny_model_dir(Path(tmp) / size, seed=0, **SIZES[size])
             eager = load_causal_lm(model_dir).train()
-            model = copy.deepcopy(eager)
-            compiled = compile_for_training(model)
+            compiled = compile_for_training(copy.deepcopy(eager))  # shares the copy's parameters
             batch = micro_batch(load_tokenizer(model_dir), eager.config.vocab_size)
             start = time.perf_counter()
             forward_backward(compiled, batch)
             compile_s = time.perf_counter() - start
-            forward_backward(eager, batch)  # warm-up
-            times = {"eager": [], "compiled": []}
-            for _ in range(args.repeats):
-                for name, m in (("eager", eager), ("compiled", compiled)):
-                    start = time.perf_counter()
-                    forward_backward(m, batch)
-                    times[name].append(time.perf_counter() - start)
-            diff_lp = (forward_backward(eager, batch) - forward_backward(compiled, batch)).abs()
-            diff_grad = max(  # relative to the parameter's largest gradient
-                ((a.grad - b.grad).abs().max() / a.grad.abs().max()).item()
-                for a, b in zip(eager.parameters(), model.parameters(), strict=True)
-            )
-            median = {name: statistics.median(t) for name, t in times.items()}
+            models = {"eager": eager, "compiled": compiled}
+            median, diff_lp, diff_grad = side_by_side(models, batch, args.repeats)
             speedups[size] = median["eager"] / median["compiled"]
             print(f"\n{size} model ({sum(p.numel() for p in eager.parameters()) / 1e6:.1f} M)")
             print(f"  first compiled call (compilation): {compile_s:.1f} s")
             for name, seconds in median.items():
                 print(f"  {name:8} {seconds * 1e3:8.1f} ms")
-            print(
-                f"  max |delta|: log-prob {diff_lp.max():.1e}, gradient {diff_grad:.1e} (relative)"
-            )
+            print(f"  max |delta|: log-prob {diff_lp:.1e}, gradient {diff_grad:.1e} (relative)")
     print(
         "compiled / eager, trainer forward+backward: "
         + ", ".join(f"{s} {r:.2f}x" for s, r in speedups.items())

@@ -75,6 +75,28 @@ def parse_args(doc: str) -> argparse.Namespace:
     return args
 
 
+def side_by_side(
+    models: dict[str, torch.nn.Module], batch, repeats: int
+) -> tuple[dict[str, float], float, float]:
+    """Two models' `forward_backward` of `batch`, alternating, `repeats` times after one warm-up
+    round: the median seconds of each, then the largest log-prob difference and the largest
+    gradient difference (relative to the parameter's largest gradient) between them."""
+    (name_a, a), (name_b, b) = models.items()
+    times: dict[str, list[float]] = {name_a: [], name_b: []}
+    for repeat in range(repeats + 1):
+        for name, model in models.items():
+            start = time.perf_counter()
+            forward_backward(model, batch)
+            if repeat:  # the first round is the warm-up
+                times[name].append(time.perf_counter() - start)
+    diff_lp = (forward_backward(a, batch) - forward_backward(b, batch)).abs().max().item()
+    diff_grad = max(
+        ((pa.grad - pb.grad).abs().max() / pa.grad.abs().max()).item()
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
+    )
+    return {name: statistics.median(t) for name, t in times.items()}, diff_lp, diff_grad
+
+
 def main() -> None:
     args = parse_args(__doc__)
     speedups = {}
@@ -86,19 +108,8 @@ def main() -> None:
             if not use_onednn_linears(fast):
                 raise SystemExit("oneDNN linears are not usable in this PyTorch build")
             batch = micro_batch(load_tokenizer(model_dir), plain.config.vocab_size)
-            times = {"mkl": [], "onednn": []}
-            for repeat in range(args.repeats + 1):
-                for name, model in (("mkl", plain), ("onednn", fast)):
-                    start = time.perf_counter()
-                    forward_backward(model, batch)
-                    if repeat:  # the first round is the warm-up
-                        times[name].append(time.perf_counter() - start)
-            diff_lp = (forward_backward(plain, batch) - forward_backward(fast, batch)).abs().max()
-            diff_grad = max(  # relative to the parameter's largest gradient
-                ((a.grad - b.grad).abs().max() / a.grad.abs().max()).item()
-                for a, b in zip(plain.parameters(), fast.parameters(), strict=True)
-            )
-            median = {name: statistics.median(t) for name, t in times.items()}
+            models = {"mkl": plain, "onednn": fast}
+            median, diff_lp, diff_grad = side_by_side(models, batch, args.repeats)
             speedups[size] = median["mkl"] / median["onednn"]
             tokens = int(batch.attention_mask_bt.numel())
             print(f"\n{size} model ({sum(p.numel() for p in plain.parameters()) / 1e6:.1f} M)")
