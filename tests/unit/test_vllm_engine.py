@@ -192,7 +192,8 @@ def test_a_reload_warns_only_about_layers_it_failed_to_load(engine, base_model) 
         assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
     finally:
         logger.removeHandler(handler)
-        logger.disabled, logger.level = disabled, level
+        logger.disabled = disabled
+        logger.setLevel(level)  # (setLevel, not assignment: it clears the loggers' level cache)
 
 
 def test_weights_as_read_only_numpy_arrays(engine, base_model, prompts) -> None:
