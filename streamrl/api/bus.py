@@ -91,9 +91,10 @@ class Bus(Protocol):
         """
         ...
 
-    def can_add(self, num_groups: int) -> bool:
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
         """Called by the feeder before building new groups: whether ``num_groups`` new groups
-        fit under the capacity right now. The feeder waits when this is False."""
+        fit under the capacity, waiting up to ``wait_s`` for consumers to free enough groups
+        (0: answer for right now). The feeder tries again later when this is False."""
         ...
 
     def num_groups_live(self) -> int:

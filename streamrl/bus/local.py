@@ -73,6 +73,15 @@ class _Group:
 
 
 @dataclass(slots=True)
+class _Waiter:
+    """A claim waiting for rows: whose, which fields it needs, and how to wake it."""
+
+    consumer: str
+    fields: frozenset[str]
+    condition: threading.Condition
+
+
+@dataclass(slots=True)
 class _LeaseRecord:
     consumer: str
     sample_ids: list[str]
@@ -94,9 +103,10 @@ class LocalBus:
         self._capacity_groups = capacity_groups
         self._closed_leases_kept = closed_leases_kept
         self._lock = threading.RLock()
-        # Claims waiting (wait_s > 0) for rows: the fields they need and how to wake them. A
-        # change wakes only waiters whose fields it touched, so idle roles cost nothing.
-        self._waiters: list[tuple[frozenset[str], threading.Condition]] = []
+        # Claims waiting (wait_s > 0) for rows. A change wakes only the waiters it may let
+        # claim something, so idle roles cost nothing.
+        self._waiters: list[_Waiter] = []
+        self._room = threading.Condition(self._lock)  # notified when a group is freed
         # Per consumer, how many times its leases were handed back wholesale (`release_consumer`,
         # when one of its processes died): a claim that was already waiting then gives up
         # instead of leasing rows to a caller that may be gone.
@@ -148,9 +158,18 @@ class LocalBus:
                 self._insert(r, consumers, summaries)
             self._wake({name for r in new_rows for name in r["fields"]})
 
-    def can_add(self, num_groups: int) -> bool:
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + wait_s
         with self._locked():
-            return self._fits(num_groups)
+            # Woken when a group is freed (the last of its rows acked or dropped) or on close.
+            while not self._fits(num_groups):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._room.wait(remaining)
+                if self._closed:
+                    raise RuntimeError("the bus is closed")
+            return True
 
     def num_groups_live(self) -> int:
         with self._locked():
@@ -163,7 +182,7 @@ class LocalBus:
         summaries: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """See ``Bus.write``. ``summaries`` as in ``add_rows``."""
-        written: set[str] = set()
+        written: list[_Row] = []
         with self._locked():
             for sample_id, values in updates.items():
                 if sample_id not in self._rows and sample_id not in self._freed:
@@ -178,8 +197,9 @@ class LocalBus:
                 self._counters["duplicate_writes"] += len(values) - len(fresh)
                 row.values.update(fresh)
                 row.summary.update(_summaries_for(sample_id, fresh, summaries))
-                written.update(fresh)
-            self._wake(written)
+                if fresh:
+                    written.append(row)
+            self._wake_for(written)
 
     # -- leases --------------------------------------------------------------------------
 
@@ -210,13 +230,14 @@ class LocalBus:
             )
             if lease is not None or wait_s <= 0:
                 return lease
-            waiter = (frozenset(fields), threading.Condition(self._lock))
+            waiter = _Waiter(consumer, frozenset(fields), threading.Condition(self._lock))
             self._waiters.append(waiter)
             releases = self._releases.get(consumer, 0)
             try:
                 while lease is None and (remaining := deadline - time.monotonic()) > 0:
-                    # Woken by a change to one of `fields`; the cap re-checks lease expiry.
-                    waiter[1].wait(min(remaining, 0.05))
+                    # Woken by a write, add or release that may make rows claimable, by
+                    # `close`, or at the next lease expiry.
+                    waiter.condition.wait(self._wait_cap(remaining))
                     if self._closed:
                         raise RuntimeError("the bus is closed")
                     if self._releases.get(consumer, 0) != releases:
@@ -264,7 +285,6 @@ class LocalBus:
         summaries: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """See ``Bus.ack``. ``summaries`` as in ``write``."""
-        # No wake-up for the ack itself: acking never makes a row claimable by anyone.
         with self._locked():
             record = self._lease_record(lease_id)
             if sample_ids is None:
@@ -283,6 +303,9 @@ class LocalBus:
                 self._ack_row(record.consumer, sample_id)
             if lease_id in self._leases:
                 self._close_lease(lease_id)
+            # Only the acking consumer's own claims can gain: rows of the lease left unacked
+            # are claimable again, and a group it has partly consumed may now be whole.
+            self._wake_consumer(record.consumer)
 
     def release(self, lease_id: str) -> None:
         with self._locked(changes=True):
@@ -378,6 +401,8 @@ class LocalBus:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._wake(None)  # waiting claims and adds see the bus closed
+            self._room.notify_all()
             self._rows.clear()
             self._groups.clear()
             self._pending.clear()
@@ -400,9 +425,30 @@ class LocalBus:
 
     def _wake(self, fields: set[str] | None) -> None:
         """Wake waiting claims that need one of `fields` (None: all). Caller holds the lock."""
-        for needed, condition in self._waiters:
-            if fields is None or needed & fields:
-                condition.notify()
+        for waiter in self._waiters:
+            if fields is None or waiter.fields & fields:
+                waiter.condition.notify()
+
+    def _wake_for(self, rows: list[_Row]) -> None:
+        """Wake the waiting claims for which one of `rows`, just written, now holds every
+        field they need: a write that leaves each row short of a claim's fields (a rollout
+        write, for a trainer that needs advantages too) cannot make that claim succeed."""
+        for waiter in self._waiters:
+            if any(all(f in row.values for f in waiter.fields) for row in rows):
+                waiter.condition.notify()
+
+    def _wake_consumer(self, consumer: str) -> None:
+        for waiter in self._waiters:
+            if waiter.consumer == consumer:
+                waiter.condition.notify()
+
+    def _wait_cap(self, remaining: float) -> float:
+        """How long a waiting claim may sleep: until its deadline or the next lease expiry,
+        whichever is first (an expiry can free rows; nothing else does so without a wake)."""
+        if self._leases:
+            next_expiry = min(r.expires_at for r in self._leases.values()) - time.monotonic()
+            remaining = min(remaining, max(next_expiry, 0.0) + 0.001)
+        return remaining
 
     def _register(self, name: str) -> None:
         if name not in self._pending:
@@ -560,6 +606,7 @@ class LocalBus:
         grp.num_live -= 1
         if grp.num_live == 0:
             del self._groups[row.group_id]
+            self._room.notify_all()
         row.values.clear()  # drop payloads (and, in the Ray actor, object refs) now
         self._counters["rows_freed"] += 1
 

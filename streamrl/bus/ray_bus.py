@@ -175,11 +175,18 @@ class RayBus:
         self._on({0: (dict(rows_by_shard), dict(summaries_by_shard))}, "add_rows_sharded")
         self._remember((row["sample_id"], row["group_id"]) for row in rows)
 
-    def can_add(self, num_groups: int) -> bool:
-        if self.num_shards == 1:
-            return self._on({0: (num_groups,)}, "can_add")[0]
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
+        if self.num_shards == 1:  # the shard waits for room itself
+            return self._on({0: (num_groups, wait_s)}, "can_add")[0]
+        # The capacity spans shards, so no one shard can wait for room: look every 50 ms.
         cap = self._options.capacity_groups
-        return cap is None or self.num_groups_live() + num_groups <= cap
+        deadline = time.monotonic() + wait_s
+        while cap is not None and self.num_groups_live() + num_groups > cap:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(remaining, 0.05))
+        return True
 
     def num_groups_live(self) -> int:
         return sum(self._on_all("num_groups_live").values())

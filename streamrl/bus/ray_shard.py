@@ -145,8 +145,8 @@ class BusShard:
                 adds[k] = ([row for _, row in kept], seqs, summaries, len(rows) - len(kept))
             self._on_shards("add_rows_at", adds)
 
-    def can_add(self, num_groups: int) -> bool:
-        return self._bus.can_add(num_groups)
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
+        return self._bus.can_add(num_groups, wait_s)
 
     def num_groups_live(self) -> int:
         return self._bus.num_groups_live()

@@ -16,6 +16,7 @@ only as many candidates as they need.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -159,13 +160,19 @@ def get_sampler(name: str) -> Sampler:
     return SAMPLERS[name]
 
 
+@functools.lru_cache(maxsize=64)
+def _signature(sampler: Sampler) -> inspect.Signature:
+    """The sampler's signature, computed once (every claim checks its options against it)."""
+    return inspect.signature(sampler)
+
+
 def check_options(name: str, options: Mapping[str, Any]) -> None:
     """Raise ValueError when ``options`` do not fit the sampler's keyword arguments."""
-    sampler = get_sampler(name)
+    signature = _signature(get_sampler(name))
     try:
-        inspect.signature(sampler).bind([], 1, **options)
+        signature.bind([], 1, **options)
     except TypeError as err:
-        params = inspect.signature(sampler).parameters.values()
+        params = signature.parameters.values()
         accepted = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
         raise ValueError(
             f"bad sampler_options {dict(options)!r} for sampler {name!r} ({err}); "

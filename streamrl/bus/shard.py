@@ -36,7 +36,7 @@ from typing import Any
 
 from streamrl.api.bus import Lease
 from streamrl.bus import samplers
-from streamrl.bus.local import LocalBus, _parse_row, _Row, _where_predicates
+from streamrl.bus.local import LocalBus, _parse_row, _Row, _Waiter, _where_predicates
 
 
 class ShardBus(LocalBus):
@@ -159,7 +159,7 @@ class ShardBus(LocalBus):
         predicates = _where_predicates(where)
         deadline = time.monotonic() + timeout_s
         with self._locked():
-            waiter = (frozenset(fields), threading.Condition(self._lock))
+            waiter = _Waiter(consumer, frozenset(fields), threading.Condition(self._lock))
             self._waiters.append(waiter)
             try:
                 while True:
@@ -170,8 +170,8 @@ class ShardBus(LocalBus):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
-                    # Woken by a change to one of `fields`; the cap re-checks lease expiry.
-                    waiter[1].wait(min(remaining, 0.05))
+                    # Woken as a claim is (`LocalBus.claim`).
+                    waiter.condition.wait(self._wait_cap(remaining))
                     if self._closed:
                         raise RuntimeError("the bus is closed")
                     self._expire_leases()

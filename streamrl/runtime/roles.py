@@ -90,7 +90,9 @@ class FeederRole:
             if self.wait_for_batch is not None and self.claim_wait_s > 0:
                 self.wait_for_batch(self.next_batch, self.claim_wait_s)
             return False
-        if not self.bus.can_add(self.feeder.batch_prompts + self.reserve_groups):
+        if not self.bus.can_add(
+            self.feeder.batch_prompts + self.reserve_groups, wait_s=self.claim_wait_s
+        ):
             return False
         self.bus.add_rows(self.feeder.batch(self.next_batch))
         self.next_batch += 1

@@ -603,6 +603,78 @@ def test_unrelated_write_does_not_end_a_waiting_claim(bus: Bus) -> None:
     assert 0.35 <= elapsed < 4.5
 
 
+def test_can_add_waits_for_a_group_to_be_freed(make: Callable[..., Bus]) -> None:
+    bus = make(capacity_groups=2)
+    bus.register_consumer("trainer")
+    bus.add_rows(group_rows("a", 2) + group_rows("b", 1))
+    lease = bus.claim("trainer", [], 10)
+    start = time.monotonic()
+    assert not bus.can_add(1, wait_s=0.3)  # nothing freed: waits the whole time
+    assert 0.29 <= time.monotonic() - start < 3.0
+    # Acking one row of "a" frees no group; acking the other one does, and ends the wait.
+    join = run_later(
+        (0.1, lambda: bus.ack(lease.lease_id, ["a/0"])),
+        (0.2, lambda: bus.ack(bus.claim("trainer", [], 10).lease_id, ["a/1"])),
+    )
+    start = time.monotonic()
+    assert bus.can_add(1, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert 0.25 <= elapsed < 4.5
+    assert bus.can_add(1) and not bus.can_add(2)
+
+
+def test_a_waiting_claim_wakes_once_a_row_holds_all_its_fields(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    join = run_later(
+        (0.1, lambda: bus.write({"g/0": {"reward": 1.0}})),
+        (0.3, lambda: bus.write({"g/0": {"advantages": 0.5}})),
+    )
+    start = time.monotonic()
+    lease = bus.claim("trainer", ["reward", "advantages"], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(lease) == ["g/0"] and lease.rows[0]["advantages"] == 0.5
+    assert 0.25 <= elapsed < 4.5  # not at the first write; at the second, before wait_s
+
+
+def test_a_partial_ack_wakes_the_consumers_waiting_claim(bus: Bus) -> None:
+    """Acking part of a lease closes it; the rows left unacked are claimable again at once, and
+    a claim of the same consumer already waiting gets them (not only when its wait runs out)."""
+    bus.add_rows(group_rows("g", 2))
+    lease = bus.claim("trainer", [], 2, lease_s=60.0)
+    join = run_later((0.2, lambda: bus.ack(lease.lease_id, ["g/0"])))
+    start = time.monotonic()
+    again = bus.claim("trainer", [], 10, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    join()
+    assert ids(again) == ["g/1"]
+    assert elapsed < 4.5
+
+
+def test_a_lease_expiry_wakes_a_waiting_claim(bus: Bus) -> None:
+    bus.add_rows(group_rows("g", 1))
+    bus.claim("trainer", [], 1, lease_s=LEASE_S)
+    start = time.monotonic()
+    again = bus.claim("trainer", [], 1, wait_s=5.0)
+    elapsed = time.monotonic() - start
+    assert ids(again) == ["g/0"]
+    assert LEASE_S - 0.01 <= elapsed < 4.5
+
+
+def test_close_ends_a_waiting_claim(make: Callable[..., Bus], request) -> None:
+    if request.node.callspec.params["make"] != "local":
+        pytest.skip("closing a Ray bus kills its shard actors, and the waiting call with them")
+    bus = make()
+    bus.register_consumer("trainer")
+    join = run_later((0.2, bus.close))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed"):
+        bus.claim("trainer", ["reward"], 1, wait_s=5.0)
+    join()
+    assert time.monotonic() - start < 4.5
+
+
 def test_release_consumer_ends_its_waiting_claims_empty(bus: Bus, request) -> None:
     """A role killed while its claim waits inside the bus leaves that call behind. Once its
     leases are handed back (the supervisor's `release_consumer`), such a claim must not lease the

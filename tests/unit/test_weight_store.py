@@ -89,7 +89,7 @@ def test_wait_newer_helper_skips_services_that_cannot_wait() -> None:
 
 
 class _RoomyBus:
-    def can_add(self, num_groups: int) -> bool:
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
         return True
 
     def add_rows(self, rows) -> None:
