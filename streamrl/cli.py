@@ -79,6 +79,12 @@ def check_paths(cfg) -> None:
     ):
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{key} = {value!r} does not exist")
+    if cfg.model.path is not None and cfg.data.chat_template:
+        from streamrl.data.prompts import NO_CHAT_TEMPLATE
+        from streamrl.models.loading import load_tokenizer
+
+        if getattr(load_tokenizer(cfg.model.path), "chat_template", None) is None:
+            raise ConfigError(f"model.path = {cfg.model.path!r}: {NO_CHAT_TEMPLATE}")
     rt = cfg.runtime
     if rt.weight_channel == "tcp":
         from streamrl.weights.remote import resolve_token

@@ -66,6 +66,10 @@ class DataConfig(Section):
     """Held-out prompts scored by greedy decoding at each evaluation."""
     seed: int = 0
     """Seed of prompt order and of the built-in task's problems."""
+    chat_template: bool = True
+    """Encode each prompt as a one-turn user message through the tokenizer's chat template,
+    with the assistant turn opened; false feeds the prompt text as it is (base models without
+    a chat template: write the format you want into the prompts)."""
 
 
 class RolloutConfig(Section):

@@ -47,11 +47,13 @@ class PromptFeeder:
         group_size: int,
         seed: int,
         max_rounds: int = 1,
+        chat_template: bool = True,
     ):
         if not rows:
             raise ValueError("the training dataset is empty")
         self.rows = list(rows)
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self._prompt_ids: dict[int, np.ndarray] = {}  # encoded on first use
         self.batch_prompts = batch_prompts
         self.group_size = group_size
@@ -93,7 +95,8 @@ class PromptFeeder:
             row = self.rows[idx]
             if idx not in self._prompt_ids:
                 self._prompt_ids[idx] = np.asarray(
-                    encode_prompt(self.tokenizer, row.prompt), dtype=np.int64
+                    encode_prompt(self.tokenizer, row.prompt, chat_template=self.chat_template),
+                    dtype=np.int64,
                 )
             gid = group_id(batch_index, j, round_index)
             for k in range(self.group_size):

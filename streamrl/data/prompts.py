@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+NO_CHAT_TEMPLATE = (
+    "the model's tokenizer has no chat template: set data.chat_template=false to feed each "
+    "prompt as plain text (base models; write any format into the prompts), or add a "
+    "template to the model directory (chat_template.jinja, or `chat_template` in "
+    "tokenizer_config.json)"
+)
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a one-turn user message followed by the opening of the assistant turn."""
+
+def encode_prompt(tokenizer, text: str, *, chat_template: bool = True) -> list[int]:
+    """Token ids of a one-turn user message followed by the opening of the assistant turn, or
+    with `chat_template=False` of the text as it is (with the tokenizer's own special tokens,
+    such as a BOS): for base models, and prompts that carry their own format."""
+    if not chat_template:
+        return list(tokenizer(text)["input_ids"])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(NO_CHAT_TEMPLATE)
     encoded = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
     )

@@ -115,6 +115,7 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
         group_size=r.group_size,
         seed=ctx.cfg.data.seed,
         max_rounds=batches_per_step(ctx.cfg),
+        chat_template=ctx.cfg.data.chat_template,
     )
 
 
@@ -277,7 +278,10 @@ class Evaluator:
         self.tokenizer = load_tokenizer(ctx.policy_dir)
         self.engine = make_engine(ctx, model)
         self.rows = ctx.eval_rows
-        self.prompt_ids = [encode_prompt(self.tokenizer, r.prompt) for r in self.rows]
+        chat = ctx.cfg.data.chat_template
+        self.prompt_ids = [
+            encode_prompt(self.tokenizer, r.prompt, chat_template=chat) for r in self.rows
+        ]
         self.reward_fn = resolve_callable(ctx.cfg.reward.function)
         self.max_new_tokens = ctx.cfg.rollout.max_new_tokens
 

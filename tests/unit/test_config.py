@@ -257,6 +257,21 @@ def test_cli_bad_override_returns_2_and_names_the_key(
     assert captured.out == ""
 
 
+def test_cli_refuses_a_model_whose_tokenizer_has_no_chat_template(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamrl.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # the tokenizer is all the check reads
+    assert main(["train", f"model.path={tmp_path}", f"run.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no chat template: set data.chat_template=false" in err
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
 # -- algorithm presets ------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -120,6 +121,19 @@ def test_encode_prompt_uses_the_chat_template(tokenizer) -> None:
     assert tokens == ["<|user|>", "1", "+", "2", "=", "<|end|>", "<|assistant|>"]
 
 
+def test_encode_prompt_without_the_chat_template_is_the_text_as_it_is(tokenizer) -> None:
+    ids = encode_prompt(tokenizer, "1+2=", chat_template=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == ["1", "+", "2", "="]
+
+
+def test_a_tokenizer_without_a_chat_template_says_what_to_do(tokenizer) -> None:
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template: set data.chat_template=false"):
+        encode_prompt(plain, "1+2=")
+    assert encode_prompt(plain, "1+2=", chat_template=False) == tokenizer("1+2=")["input_ids"]
+
+
 def test_encode_response_ends_with_eos(tokenizer) -> None:
     ids = encode_response(tokenizer, "1+2=3:3")
     assert ids[-1] == tokenizer.eos_token_id
@@ -175,6 +189,21 @@ def test_batch_prompt_ids_are_the_encoded_prompt(rows: list[PromptRow], tokenize
         assert r["fields"][F.PROMPT_IDS].dtype == np.int64
         assert r["fields"][F.PROMPT_IDS].tolist() == encode_prompt(tokenizer, row.prompt)
         assert r["fields"][F.EXTRA] == row.extra
+
+
+def test_the_feeder_can_skip_the_chat_template(rows: list[PromptRow], tokenizer) -> None:
+    feeder = PromptFeeder(
+        rows,
+        tokenizer,
+        batch_prompts=BATCH_PROMPTS,
+        group_size=GROUP_SIZE,
+        seed=0,
+        chat_template=False,
+    )
+    by_answer = {row.answer: row for row in rows}
+    for r in feeder.batch(0):
+        raw = tokenizer(by_answer[r["fields"][F.ANSWER]].prompt)["input_ids"]
+        assert r["fields"][F.PROMPT_IDS].tolist() == raw
 
 
 def test_batch_is_a_function_of_seed_and_index(rows: list[PromptRow], tokenizer) -> None:
