@@ -79,12 +79,9 @@ def check_paths(cfg) -> None:
     ):
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{key} = {value!r} does not exist")
-    if cfg.model.path is not None and cfg.data.chat_template:
-        from streamrl.data.prompts import NO_CHAT_TEMPLATE
-        from streamrl.models.loading import load_tokenizer
-
-        if getattr(load_tokenizer(cfg.model.path), "chat_template", None) is None:
-            raise ConfigError(f"model.path = {cfg.model.path!r}: {NO_CHAT_TEMPLATE}")
+    if cfg.model.path is not None:
+        check_model_dir(cfg)
+    check_engine_installed(cfg)
     rt = cfg.runtime
     if rt.weight_channel == "tcp":
         from streamrl.weights.remote import resolve_token
@@ -95,6 +92,46 @@ def check_paths(cfg) -> None:
                 f"runtime.weight_bind = {rt.weight_bind!r} serves weights beyond this machine "
                 "without a token: set runtime.weight_token or $STREAMRL_WEIGHT_TOKEN"
             )
+
+
+def check_engine_installed(cfg) -> None:
+    """Refuse an engine this machine lacks, when the roles run here (on a cluster, other nodes
+    may have it)."""
+    import importlib.util
+
+    r = cfg.rollout
+    if cfg.runtime.ray_address:
+        return
+    if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine = 'vllm', but vLLM is not installed here: `make install-vllm` "
+            "installs its CPU build (see docs/engines.md)"
+        )
+    launches = r.sglang_url is None and r.sglang_launch_cmd is None
+    if r.engine == "sglang" and launches and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "rollout.engine = 'sglang', but SGLang is not installed here: install it (a GPU "
+            "build), attach a running server (rollout.sglang_url=http://host:port) or say how "
+            "to start one (rollout.sglang_launch_cmd)"
+        )
+
+
+def check_model_dir(cfg) -> None:
+    """Refuse a model directory that the run could only fail on, once its roles are up."""
+    from streamrl.data.prompts import NO_CHAT_TEMPLATE
+    from streamrl.models.loading import load_tokenizer
+
+    path = cfg.model.path
+    if cfg.data.chat_template and getattr(load_tokenizer(path), "chat_template", None) is None:
+        raise ConfigError(f"model.path = {path!r}: {NO_CHAT_TEMPLATE}")
+    if cfg.rollout.engine == "builtin":
+        from transformers import AutoConfig
+
+        from streamrl.rollout.builtin_engine import unsupported
+
+        reason = unsupported(AutoConfig.from_pretrained(path, local_files_only=True))
+        if reason is not None:
+            raise ConfigError(f"model.path = {path!r}: {reason}")
 
 
 def format_status(run_dir: Path) -> str:
@@ -193,11 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamrl: {e}", file=sys.stderr)
         return 2
     from streamrl.runtime.controller import train
+    from streamrl.runtime.errors import RoleNotBuilt
 
     try:
         train(cfg, resume=resume)
     except KeyboardInterrupt:  # a second Ctrl-C; the controller said how to resume
         return 130
+    except RoleNotBuilt as e:  # its traceback is in the role's log and logs/controller.log
+        print(f"streamrl: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -103,6 +103,32 @@ def sample_tokens(
 # ---------------------------------------------------------------------------------------------
 
 
+def unsupported(config, rope_type: str | None = None) -> str | None:
+    """Why the builtin engine cannot run a model of this HF config (None: it can). `rope_type`
+    is the model's own (its rotary module's); by default it is read from the config."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return (
+            f"the builtin engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, got "
+            f"model_type {config.model_type!r}; use one of those or rollout.engine=vllm"
+        )
+    if rope_type is None:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        rope = rope or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+    layer_types = getattr(config, "layer_types", None) or []
+    if (
+        config.hidden_act != "silu"
+        or any(t != "full_attention" for t in layer_types)
+        or rope_type not in ("default", "linear", "llama3")
+    ):
+        return (
+            "the builtin engine needs SiLU MLPs, full attention in every layer and a "
+            f"position-independent rope scaling; got hidden_act={config.hidden_act!r}, "
+            f"layer_types={layer_types!r}, rope_type={rope_type!r}; use rollout.engine=vllm"
+        )
+    return None
+
+
 class DecoderRunner:
     """Prefill and decode passes of a Llama-family causal LM over a KV cache with a row per slot.
 
@@ -116,24 +142,11 @@ class DecoderRunner:
     """
 
     def __init__(self, model, *, use_onednn: bool | None = None):
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        reason = unsupported(model.config, getattr(rotary, "rope_type", None))
+        if reason is not None:
+            raise TypeError(reason)
         config = model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise TypeError(
-                f"the builtin engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, got "
-                f"model_type {config.model_type!r}; use one of those or rollout.engine=vllm"
-            )
-        layer_types = getattr(config, "layer_types", None) or []
-        rope_type = model.model.rotary_emb.rope_type
-        if (
-            config.hidden_act != "silu"
-            or any(t != "full_attention" for t in layer_types)
-            or rope_type not in ("default", "linear", "llama3")
-        ):
-            raise TypeError(
-                "the builtin engine needs SiLU MLPs, full attention in every layer and a "
-                f"position-independent rope scaling; got hidden_act={config.hidden_act!r}, "
-                f"layer_types={layer_types!r}, rope_type={rope_type!r}"
-            )
         self.model = model
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype

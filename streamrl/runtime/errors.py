@@ -5,5 +5,10 @@ class TrainerLost(RuntimeError):
     """The trainer's process died or its loop failed; resume from the latest checkpoint."""
 
 
+class RoleNotBuilt(RuntimeError):
+    """A role's constructor failed (a model, config or environment it cannot use): starting it
+    again would fail the same way, so the run stops with this one-line reason."""
+
+
 class RoleFailed(RuntimeError):
     """A role failed more often than its restart budget allows."""

@@ -38,6 +38,7 @@ from ray.exceptions import RayActorError
 from streamrl.runtime.components import batches_per_step, prompts_per_batch
 from streamrl.runtime.context import RunContext
 from streamrl.runtime.control import read_requests
+from streamrl.runtime.errors import RoleNotBuilt
 from streamrl.runtime.logs import attach_role_log, start_log_sink
 from streamrl.runtime.placement import RolePlacementGroup, placement_options
 from streamrl.runtime.recovery import (
@@ -90,6 +91,9 @@ class RoleActor:
             bus = DeferredAcks(bus, ctx.cfg.runtime.lease_s)  # acked once a checkpoint holds them
         self.name = name
         self.weights = weights
+        # Set when the role cannot be built: `info` reports it and the supervisor stops the run
+        # (raising here instead makes Ray print the traceback twice and abort the process).
+        self.build_error: str | None = None
         try:
             self.role = build_role(
                 base_role(name),
@@ -100,17 +104,20 @@ class RoleActor:
                 claim_wait_s=ctx.cfg.runtime.claim_wait_s,
                 idle_wait_s=ctx.cfg.runtime.idle_wait_s,
             )
-        except Exception:
-            log.exception("%s: could not be built", name)
+        except RoleNotBuilt as e:
+            log.error("%s: could not be built", name, exc_info=e.__cause__ or e)
             self._flush_log()
-            raise
+            self.build_error = str(e)
+            return
         log.info("%s: built in %.1fs", name, time.perf_counter() - t0)
         self.poll_s = ctx.cfg.runtime.poll_s
         self._stop = threading.Event()
         self.error: str | None = None
 
     def info(self) -> dict[str, Any]:
-        """Where this role runs."""
+        """Where this role runs (or, if it could not be built, why)."""
+        if self.build_error is not None:
+            return {"build_error": self.build_error}
         context = ray.get_runtime_context()
         info = {
             "pid": os.getpid(),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from streamrl.runtime.errors import RoleFailed, TrainerLost
+from streamrl.runtime.errors import RoleFailed, RoleNotBuilt, TrainerLost
 from streamrl.runtime.logs import log_path, supervisor_line
 from streamrl.runtime.roles import base_role
 from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
@@ -96,7 +97,16 @@ class Supervisor:
         """Create the roles' actors and (unless `run` is false: see `run`) start their loops."""
         for name in names:
             self.actors[name] = self.make_actor(name)
-        infos = ray.get([self.actors[n].info.remote() for n in names])
+        refs = [self.actors[n].info.remote() for n in names]
+        infos = []
+        for name, ref in zip(names, refs, strict=True):
+            try:
+                infos.append(ray.get(ref))
+            except RayActorError as e:
+                infos.append({"build_error": _start_error(name, e)})
+            if "build_error" in infos[-1]:
+                log_file = log_path(self.run_dir, name)
+                raise RoleNotBuilt(f"{infos[-1]['build_error']} (traceback: {log_file})")
         for name, info in zip(names, infos, strict=True):
             self.info[name] = {
                 **info,
@@ -266,3 +276,10 @@ class Supervisor:
                 pass
         self._stopped = True
         self.write_status()
+
+
+def _start_error(name: str, error: RayActorError) -> str:
+    """One line on why a role's process died before it answered: the last line Ray gives."""
+    lines = [line.strip() for line in (error.error_msg or "").splitlines() if line.strip()]
+    last = re.sub(r"\x1b\[[0-9;]*m", "", lines[-1]) if lines else type(error).__name__
+    return f"the {name} role's process died while it started: {last}"

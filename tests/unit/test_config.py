@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,30 @@ def test_cli_refuses_a_model_whose_tokenizer_has_no_chat_template(
     err = capsys.readouterr().err
     assert "no chat template: set data.chat_template=false" in err
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_cli_refuses_a_model_the_builtin_engine_cannot_run(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import GPT2Config
+
+    from streamrl.models.tokenizer import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    GPT2Config(n_embd=32, n_layer=1, n_head=2).save_pretrained(tmp_path)
+    args = ["train", f"model.path={tmp_path}", f"run.run_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    assert "model_type 'gpt2'; use one of those or rollout.engine=vllm" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed")
+def test_cli_refuses_an_engine_that_is_not_installed(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "rollout.engine=sglang", f"run.run_dir={tmp_path / 'run'}"]) == 2
+    assert "SGLang is not installed here" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 # -- algorithm presets ------------------------------------------------------------------------------
