@@ -94,6 +94,14 @@ def check_paths(cfg) -> None:
             )
 
 
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether the run in `run_dir` has a checkpoint of its last step (`steps`) or later."""
+    from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+
+    checkpoint = latest_checkpoint(run_dir)
+    return checkpoint is not None and read_state(checkpoint)["next_step"] >= steps
+
+
 def check_engine_installed(cfg) -> None:
     """Refuse an engine this machine lacks, when the roles run here (on a cluster, other nodes
     may have it)."""
@@ -229,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"streamrl: {e}", file=sys.stderr)
         return 2
+    if resume is not None and finished(resume, cfg.trainer.steps):
+        print(
+            f"streamrl: {resume} has trained all {cfg.trainer.steps} steps; nothing to do (to "
+            f"train on: streamrl train --resume {resume} trainer.steps=N with N larger)",
+            file=sys.stderr,
+        )
+        return 0
     from streamrl.runtime.controller import train
     from streamrl.runtime.errors import RoleNotBuilt
 

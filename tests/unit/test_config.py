@@ -297,6 +297,20 @@ def test_cli_refuses_an_engine_that_is_not_installed(
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_resume_of_a_finished_run_changes_nothing(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text(dump_yaml(load_config(["trainer.steps=3"])))
+    (tmp_path / "summary.json").write_text('{"num_steps": 3}')
+    last = tmp_path / "checkpoints" / "step-000003"
+    last.mkdir(parents=True)
+    (last / "trainer_state.json").write_text('{"next_step": 3}')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(tmp_path)]) == 0
+    assert "has trained all 3 steps; nothing to do" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 # -- algorithm presets ------------------------------------------------------------------------------
 
 
