@@ -79,6 +79,18 @@ def check_paths(cfg) -> None:
     ):
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{key} = {value!r} does not exist")
+    if cfg.data.train_file or cfg.data.eval_file:  # fail now, not after the warm start
+        from streamrl.runtime.context import load_datasets
+
+        quiet = logging.getLogger("streamrl")  # the run reports skipped rows; this only checks
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            load_datasets(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        finally:
+            quiet.setLevel(level)
     if cfg.model.path is not None:
         check_model_dir(cfg)
     check_engine_installed(cfg)

@@ -61,7 +61,8 @@ class DataConfig(Section):
     train_file: str | None = None
     """JSONL file of {"prompt", "answer"} rows; None uses the built-in task."""
     eval_file: str | None = None
-    """JSONL file of held-out rows; None uses the built-in task's held-out split."""
+    """JSONL file of held-out rows. None: with `train_file`, rows held out from it
+    (min(num_eval, a tenth of it), picked by `seed`); else the built-in task's held-out split."""
     num_eval: int = Field(256, ge=1)
     """Held-out prompts scored by greedy decoding at each evaluation."""
     seed: int = 0

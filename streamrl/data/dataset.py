@@ -59,6 +59,9 @@ def parse_row(obj: Any) -> PromptRow:
     return PromptRow(prompt, str(answer), extra)
 
 
+MAX_WARNINGS = 10  # malformed rows reported one by one; the rest are counted
+
+
 def load_jsonl(path: str | Path) -> LoadReport:
     """Read a JSONL prompt file, skipping (and reporting) malformed lines."""
     path = Path(path)
@@ -75,7 +78,18 @@ def load_jsonl(path: str | Path) -> LoadReport:
                 report.num_skipped += 1
                 msg = f"{path}:{line_no}: skipped malformed row: {e}"
                 report.problems.append(msg)
-                log.warning(msg)
+                if report.num_skipped <= MAX_WARNINGS:
+                    log.warning(msg)
+    if report.num_skipped > MAX_WARNINGS:
+        log.warning(
+            "%s: %d more malformed rows skipped (%d in all)",
+            path,
+            report.num_skipped - MAX_WARNINGS,
+            report.num_skipped,
+        )
     if not report.rows:
-        raise ValueError(f"dataset {str(path)!r} has no valid row ({report.num_skipped} malformed)")
+        first = f"; the first: {report.problems[0]}" if report.problems else ""
+        raise ValueError(
+            f"dataset {str(path)!r} has no valid row ({report.num_skipped} malformed{first})"
+        )
     return report

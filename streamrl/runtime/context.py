@@ -7,12 +7,16 @@ be passed to Ray actors, which rebuild their heavy objects (model, tokenizer) fr
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamrl.config.schema import Config
 from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,9 +48,33 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
     if d.eval_file:
         report = load_jsonl(d.eval_file)
         evals, skipped = report.rows[: d.num_eval], skipped + report.num_skipped
+    elif d.train_file:  # the built-in task's problems would say nothing about this data
+        train, evals = hold_out(train, d.num_eval, d.seed)
+        log.info(
+            "data.eval_file not set: %d of the %d rows of %s held out for evaluation",
+            len(evals),
+            len(train) + len(evals),
+            d.train_file,
+        )
     else:
         evals = builtin_rows(d.num_eval, digits=d.digits, seed=d.seed, split="eval")
     return train, evals, skipped
+
+
+def hold_out(
+    rows: list[PromptRow], num_eval: int, seed: int
+) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Split `rows` into training rows and held-out rows: min(num_eval, a tenth of them), at
+    least one, picked by `seed`; each part keeps the file's order."""
+    if len(rows) < 2:
+        raise ValueError(
+            f"data.train_file has {len(rows)} usable row(s): need two or more to hold some out "
+            "for evaluation, or set data.eval_file"
+        )
+    num = max(1, min(num_eval, len(rows) // 10))
+    held = set(random.Random(f"{seed}-eval").sample(range(len(rows)), num))
+    train = [row for i, row in enumerate(rows) if i not in held]
+    return train, [row for i, row in enumerate(rows) if i in held]
 
 
 def prepare(

@@ -297,6 +297,16 @@ def test_cli_refuses_an_engine_that_is_not_installed(
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("oops\n")
+    assert main(["train", f"data.train_file={bad}", f"run.run_dir={tmp_path / 'run'}"]) == 2
+    assert f"dataset {str(bad)!r} has no valid row" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_resume_of_a_finished_run_changes_nothing(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

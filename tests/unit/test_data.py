@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,11 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl.api import fields as F
+from streamrl.config import load_config
 from streamrl.data.arith import has_carry, is_eval_pair, sample_problems, worked_solution
-from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
+from streamrl.data.dataset import MAX_WARNINGS, PromptRow, builtin_rows, load_jsonl
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.tokenizer import build_tokenizer
+from streamrl.runtime.context import hold_out, load_datasets
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +106,37 @@ def test_load_jsonl_skips_malformed_lines_and_says_where(tmp_path: Path) -> None
 def test_load_jsonl_without_a_valid_row_raises(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "x"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"no valid row \(2 malformed\)"):
+    with pytest.raises(ValueError, match=r"no valid row \(2 malformed; the first: .*bad.jsonl:1: "):
         load_jsonl(path)
+
+
+def test_load_jsonl_reports_the_first_malformed_rows_and_counts_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "messy.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + "oops\n" * 25)
+    with caplog.at_level(logging.WARNING, logger="streamrl.data.dataset"):
+        report = load_jsonl(path)
+    assert report.num_skipped == 25 and len(report.problems) == 25
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == MAX_WARNINGS + 1
+    assert messages[-1] == f"{path}: {25 - MAX_WARNINGS} more malformed rows skipped (25 in all)"
+
+
+def test_a_train_file_without_an_eval_file_holds_rows_out_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(50))
+    )
+    cfg = load_config([f"data.train_file={path}", "data.num_eval=4"])
+    train, evals, skipped = load_datasets(cfg)
+    assert (len(train), len(evals), skipped) == (46, 4, 0)
+    assert {r.prompt for r in train}.isdisjoint({r.prompt for r in evals})
+    assert sorted(train + evals, key=lambda r: int(r.answer)) == load_jsonl(path).rows
+    assert load_datasets(cfg)[1] == evals  # the same rows every time (data.seed)
+    assert len(hold_out(train + evals, 256, 0)[1]) == 5  # at most a tenth of the file
+    with pytest.raises(ValueError, match="need two or more"):
+        hold_out(evals[:1], 256, 0)
 
 
 def test_load_jsonl_of_a_missing_file_raises(tmp_path: Path) -> None:
