@@ -66,10 +66,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def check_paths(cfg) -> None:
     """Fail before any work on paths in the config that cannot be used."""
-    from streamrl.reward.scoring import resolve_callable
+    from streamrl.reward.scoring import check_reward_signature, resolve_callable
 
     try:
-        resolve_callable(cfg.reward.function)
+        check_reward_signature(resolve_callable(cfg.reward.function), cfg.reward.function)
     except ValueError as e:
         raise ConfigError(f"reward.function: {e}") from None
     for key, value in (

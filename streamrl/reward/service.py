@@ -7,6 +7,7 @@ they are left out of advantages and training and counted by reason, never scored
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from streamrl.bus.transform import TransformRole
 from streamrl.reward.sandbox import ScoreTask
 
 CONSUMER = "reward"
+MAX_REPORTED = 5  # distinct reasons a reward role logs; later ones are only counted
+
+log = logging.getLogger(__name__)
 
 
 def score_rows(
@@ -58,9 +62,32 @@ class RewardRole(TransformRole):
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.invalid_penalty = invalid_penalty
+        self._reported: set[tuple[str, str | None]] = set()
 
     def compute(self, rows):
-        return score_rows(self.scorer, self.tokenizer, rows, self.invalid_penalty)
+        updates = score_rows(self.scorer, self.tokenizer, rows, self.invalid_penalty)
+        for sample_id, values in updates.items():
+            self._report(sample_id, values[F.REWARD_STATUS], values[F.REWARD_REASON])
+        return updates
+
+    def _report(self, sample_id: str, status: str, reason: str | None) -> None:
+        """Log each distinct reason a sample could not be scored, the first few times only:
+        such samples are dropped and counted (`samples/dropped_<status>`), and a reward that
+        fails on every sample should not be found out from the summary alone."""
+        if status not in ("timeout", "infra_error"):
+            return
+        key = (status, reason)
+        if key in self._reported or len(self._reported) >= MAX_REPORTED:
+            return
+        self._reported.add(key)
+        log.warning(
+            "reward: sample %s not scored (%s): %s; dropped from training and counted as "
+            "samples/dropped_%s (each distinct reason is logged once)",
+            sample_id,
+            status,
+            reason,
+            status,
+        )
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "restarts": self.scorer.num_restarts}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import sys
@@ -19,8 +20,13 @@ from streamrl.data.prompts import encode_response
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.reward.rule import arith_exact_match
 from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
-from streamrl.reward.scoring import resolve_callable, score_text, to_result
-from streamrl.reward.service import score_rows
+from streamrl.reward.scoring import (
+    check_reward_signature,
+    resolve_callable,
+    score_text,
+    to_result,
+)
+from streamrl.reward.service import MAX_REPORTED, RewardRole, score_rows
 
 # Imported by the sandbox's worker process, so it lives in a file on PYTHONPATH.
 REWARDS_MODULE = "streamrl_test_rewards"
@@ -238,3 +244,54 @@ def test_score_rows_decodes_scores_and_applies_the_invalid_penalty(
     assert updates["cut"][F.REWARD] == penalty
     assert updates["cut"][F.REWARD_STATUS] == "invalid_output"
     assert "7+5=1" in updates["cut"][F.REWARD_REASON]
+
+
+class _FailingScorer:
+    """Scores every task with the reason its text names (a stand-in for a broken reward)."""
+
+    num_restarts = 0
+
+    def score(self, tasks):
+        return [RewardResult(None, "infra_error", f"KeyError: {t.response!r}") for t in tasks]
+
+
+def test_the_reward_role_logs_each_distinct_failure_once(caplog) -> None:
+    tokenizer = build_tokenizer()
+    role = RewardRole(
+        None, _FailingScorer(), tokenizer, invalid_penalty=None, max_rows=8, lease_s=5
+    )
+    texts = ["1", "2", "1", "1"] + [str(i) for i in range(3, 10)]
+    rows = [
+        {"sample_id": f"s{i}", F.RESPONSE_IDS: tokenizer(t)["input_ids"], F.ANSWER: "0"}
+        for i, t in enumerate(texts)
+    ]
+    with caplog.at_level(logging.WARNING, logger="streamrl.reward.service"):
+        updates = role.compute(rows)
+    assert all(u[F.REWARD] is None for u in updates.values())
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == MAX_REPORTED  # "1" once, then new reasons until the cap
+    assert "sample s0 not scored (infra_error): KeyError: '1'" in logged[0]
+    assert "samples/dropped_infra_error" in logged[0]
+
+
+def _two_args(text, answer):
+    return 0.0
+
+
+def _with_extra(text, answer, *, level="easy", **extra):
+    return 0.0
+
+
+def _varargs(*args, **kwargs):
+    return 0.0
+
+
+def _one_arg(text):
+    return 0.0
+
+
+def test_a_reward_that_cannot_take_text_and_answer_is_refused() -> None:
+    for fn in (_two_args, _with_extra, _varargs, arith_exact_match, len.__call__):
+        check_reward_signature(fn, "m:f")
+    with pytest.raises(ValueError, match=r"'m:f' is called as f\(response_text, answer"):
+        check_reward_signature(_one_arg, "m:f")
