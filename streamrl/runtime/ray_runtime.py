@@ -172,9 +172,23 @@ class RoleActor:
         return self.role.drain() if hasattr(self.role, "drain") else []
 
 
+class _QuietTokenNotice(logging.Filter):
+    """Drops Ray's notice that a new local instance uses token authentication (what streamrl
+    wants: it printed across the progress bar of every run). Warnings that it is off stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
 def ensure_ray(ctx: RunContext) -> None:
     if ray.is_initialized():
         return
+    token_log = logging.getLogger(_TOKEN_LOGGER)
+    if not any(isinstance(f, _QuietTokenNotice) for f in token_log.filters):
+        token_log.addFilter(_QuietTokenNotice())
     rt = ctx.cfg.runtime
     if rt.ray_address:
         ray.init(address=rt.ray_address, log_to_driver=True)

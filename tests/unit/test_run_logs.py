@@ -127,3 +127,14 @@ def test_a_failure_goes_to_the_controller_log_with_its_traceback(tmp_path):
         detach(handler)
     text = (tmp_path / "logs" / "controller.log").read_text()
     assert "ERROR" in text and "the run failed" in text and "ValueError: bad thing" in text
+
+
+def test_rays_token_auth_notice_is_dropped_and_its_warning_kept():
+    from streamrl.runtime.ray_runtime import _QuietTokenNotice
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("ray", logging.WARNING, __file__, 1, message, None, None)
+
+    quiet = _QuietTokenNotice()
+    assert not quiet.filter(record("Token authentication is enabled for this Ray cluster. Set"))
+    assert quiet.filter(record("Token authentication is disabled for this Ray cluster. Anyone"))
