@@ -106,6 +106,44 @@ def check_paths(cfg) -> None:
             )
 
 
+# What fixes which prompts make up batch b: a resumed run that changed any of them would train
+# some prompts twice and skip others.
+DATA_ORDER_KEYS = (
+    "data.task",
+    "data.digits",
+    "data.train_file",
+    "data.seed",
+    "rollout.batch_prompts",
+    "algorithm.dynamic_sampling",
+    "algorithm.dynamic_sampling_oversample",
+    "algorithm.dynamic_sampling_max_batches",
+)
+
+
+def check_same_data_order(saved, cfg, run_dir: Path) -> None:
+    """Refuse resume overrides that change the data order the run's checkpoints count in."""
+    changed = []
+    for key in DATA_ORDER_KEYS:
+        section, name = key.split(".")
+        before, after = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        if before != after:
+            changed.append(f"{key} {before!r} -> {after!r}")
+    if changed:
+        raise ConfigError(
+            f"--resume {run_dir}: {', '.join(changed)} would change which prompts each batch "
+            "holds, so the resumed run would train some twice and skip others. Resume without "
+            "it, or start a new run from the trained weights: "
+            f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'}"
+        )
+
+
+def latest_model_dir(run_dir: Path) -> Path | None:
+    from streamrl.trainer.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    return checkpoint / "model" if checkpoint is not None else None
+
+
 def finished(run_dir: Path, steps: int) -> bool:
     """Whether the run in `run_dir` has a checkpoint of its last step (`steps`) or later."""
     from streamrl.trainer.checkpoint import latest_checkpoint, read_state
@@ -245,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             overrides = [str(saved), *overrides, f"run.run_dir={resume}"]
         cfg = load_config(overrides)
+        if resume is not None:
+            check_same_data_order(load_config([str(resume / "config.yaml")]), cfg, resume)
         check_paths(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"streamrl: {e}", file=sys.stderr)

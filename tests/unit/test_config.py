@@ -307,6 +307,23 @@ def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_resume_refuses_overrides_that_change_the_data_order(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.yaml").write_text(dump_yaml(load_config(["trainer.steps=3"])))
+    last = tmp_path / "checkpoints" / "step-000002"
+    last.mkdir(parents=True)
+    (last / "trainer_state.json").write_text('{"next_step": 2}')
+    before = (tmp_path / "config.yaml").read_text()
+    args = ["train", "--resume", str(tmp_path), "rollout.batch_prompts=16", "data.seed=3"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "rollout.batch_prompts 32 -> 16, data.seed 0 -> 3" not in err  # listed in key order
+    assert "data.seed 0 -> 3, rollout.batch_prompts 32 -> 16 would change which prompts" in err
+    assert f"model.path={last / 'model'}" in err
+    assert (tmp_path / "config.yaml").read_text() == before
+
+
 def test_cli_resume_of_a_finished_run_changes_nothing(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
