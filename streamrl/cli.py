@@ -93,7 +93,7 @@ def check_paths(cfg) -> None:
             quiet.setLevel(level)
     if cfg.model.path is not None:
         check_model_dir(cfg)
-    check_engine_installed(cfg)
+    check_local_resources(cfg)
     rt = cfg.runtime
     if rt.weight_channel == "tcp":
         from streamrl.weights.remote import resolve_token
@@ -152,14 +152,27 @@ def finished(run_dir: Path, steps: int) -> bool:
     return checkpoint is not None and read_state(checkpoint)["next_step"] >= steps
 
 
-def check_engine_installed(cfg) -> None:
-    """Refuse an engine this machine lacks, when the roles run here (on a cluster, other nodes
-    may have it)."""
+def check_local_resources(cfg) -> None:
+    """Refuse an engine or a GPU this machine lacks, when the roles run here (on a cluster,
+    other nodes may have them)."""
     import importlib.util
 
     r = cfg.rollout
     if cfg.runtime.ray_address:
         return
+    cuda = [
+        key
+        for key, device in (("rollout.device", r.device), ("trainer.device", cfg.trainer.device))
+        if device == "cuda"
+    ]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{' and '.join(cuda)} = 'cuda', but torch sees no GPU here: use 'auto' (a GPU "
+                "when there is one) or 'cpu'"
+            )
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "rollout.engine = 'vllm', but vLLM is not installed here: `make install-vllm` "

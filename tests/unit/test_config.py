@@ -307,6 +307,18 @@ def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_refuses_cuda_without_a_gpu(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["train", "trainer.device=cuda", f"run.run_dir={tmp_path / 'run'}"]) == 2
+    assert "trainer.device = 'cuda', but torch sees no GPU here" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_resume_refuses_overrides_that_change_the_data_order(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
