@@ -1,0 +1,154 @@
+"""Checks before any work: what a run could only fail on minutes later (after the warm start,
+or once its roles are up) is refused at once, with what to do instead.
+
+`check_paths` runs for every `streamrl train`; `check_same_data_order` and `finished` for
+`--resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from streamrl.config import ConfigError
+
+
+def check_paths(cfg) -> None:
+    """Fail before any work on paths in the config that cannot be used."""
+    from streamrl.reward.scoring import check_reward_signature, resolve_callable
+
+    try:
+        check_reward_signature(resolve_callable(cfg.reward.function), cfg.reward.function)
+    except ValueError as e:
+        raise ConfigError(f"reward.function: {e}") from None
+    for key, value in (
+        ("model.path", cfg.model.path),
+        ("data.train_file", cfg.data.train_file),
+        ("data.eval_file", cfg.data.eval_file),
+    ):
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{key} = {value!r} does not exist")
+    if cfg.data.train_file or cfg.data.eval_file:  # fail now, not after the warm start
+        from streamrl.runtime.context import load_datasets
+
+        quiet = logging.getLogger("streamrl")  # the run reports skipped rows; this only checks
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            load_datasets(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        finally:
+            quiet.setLevel(level)
+    if cfg.model.path is not None:
+        check_model_dir(cfg)
+    check_local_resources(cfg)
+    rt = cfg.runtime
+    if rt.weight_channel == "tcp":
+        from streamrl.weights.remote import resolve_token
+        from streamrl.weights.tcp import is_loopback
+
+        if not is_loopback(rt.weight_bind) and not resolve_token(rt.weight_token):
+            raise ConfigError(
+                f"runtime.weight_bind = {rt.weight_bind!r} serves weights beyond this machine "
+                "without a token: set runtime.weight_token or $STREAMRL_WEIGHT_TOKEN"
+            )
+
+
+# What fixes which prompts make up batch b: a resumed run that changed any of them would train
+# some prompts twice and skip others.
+DATA_ORDER_KEYS = (
+    "data.task",
+    "data.digits",
+    "data.train_file",
+    "data.seed",
+    "rollout.batch_prompts",
+    "algorithm.dynamic_sampling",
+    "algorithm.dynamic_sampling_oversample",
+    "algorithm.dynamic_sampling_max_batches",
+)
+
+
+def check_same_data_order(saved, cfg, run_dir: Path) -> None:
+    """Refuse resume overrides that change the data order the run's checkpoints count in."""
+    changed = []
+    for key in DATA_ORDER_KEYS:
+        section, name = key.split(".")
+        before, after = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        if before != after:
+            changed.append(f"{key} {before!r} -> {after!r}")
+    if changed:
+        raise ConfigError(
+            f"--resume {run_dir}: {', '.join(changed)} would change which prompts each batch "
+            "holds, so the resumed run would train some twice and skip others. Resume without "
+            "it, or start a new run from the trained weights: "
+            f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'}"
+        )
+
+
+def latest_model_dir(run_dir: Path) -> Path | None:
+    from streamrl.trainer.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    return checkpoint / "model" if checkpoint is not None else None
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether the run in `run_dir` has a checkpoint of its last step (`steps`) or later."""
+    from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+
+    checkpoint = latest_checkpoint(run_dir)
+    return checkpoint is not None and read_state(checkpoint)["next_step"] >= steps
+
+
+def check_local_resources(cfg) -> None:
+    """Refuse an engine or a GPU this machine lacks, when the roles run here (on a cluster,
+    other nodes may have them)."""
+    import importlib.util
+
+    r = cfg.rollout
+    if cfg.runtime.ray_address:
+        return
+    cuda = [
+        key
+        for key, device in (("rollout.device", r.device), ("trainer.device", cfg.trainer.device))
+        if device == "cuda"
+    ]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{' and '.join(cuda)} = 'cuda', but torch sees no GPU here: use 'auto' (a GPU "
+                "when there is one) or 'cpu'"
+            )
+    if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine = 'vllm', but vLLM is not installed here: `make install-vllm` "
+            "installs its CPU build (see docs/engines.md)"
+        )
+    launches = r.sglang_url is None and r.sglang_launch_cmd is None
+    if r.engine == "sglang" and launches and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "rollout.engine = 'sglang', but SGLang is not installed here: install it (a GPU "
+            "build), attach a running server (rollout.sglang_url=http://host:port) or say how "
+            "to start one (rollout.sglang_launch_cmd)"
+        )
+
+
+def check_model_dir(cfg) -> None:
+    """Refuse a model directory that the run could only fail on, once its roles are up."""
+    from streamrl.data.prompts import NO_CHAT_TEMPLATE
+    from streamrl.models.loading import load_tokenizer
+
+    path = cfg.model.path
+    if cfg.data.chat_template and getattr(load_tokenizer(path), "chat_template", None) is None:
+        raise ConfigError(f"model.path = {path!r}: {NO_CHAT_TEMPLATE}")
+    if cfg.rollout.engine == "builtin":
+        from transformers import AutoConfig
+
+        from streamrl.rollout.builtin_engine import unsupported
+
+        reason = unsupported(AutoConfig.from_pretrained(path, local_files_only=True))
+        if reason is not None:
+            raise ConfigError(f"model.path = {path!r}: {reason}")
