@@ -94,6 +94,9 @@ class RoleActor:
         # Set when the role cannot be built: `info` reports it and the supervisor stops the run
         # (raising here instead makes Ray print the traceback twice and abort the process).
         self.build_error: str | None = None
+        self.poll_s = ctx.cfg.runtime.poll_s
+        self._stop = threading.Event()
+        self.error: str | None = None
         try:
             self.role = build_role(
                 base_role(name),
@@ -110,9 +113,6 @@ class RoleActor:
             self.build_error = str(e)
             return
         log.info("%s: built in %.1fs", name, time.perf_counter() - t0)
-        self.poll_s = ctx.cfg.runtime.poll_s
-        self._stop = threading.Event()
-        self.error: str | None = None
 
     def info(self) -> dict[str, Any]:
         """Where this role runs (or, if it could not be built, why)."""
