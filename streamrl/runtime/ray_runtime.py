@@ -108,7 +108,13 @@ class RoleActor:
                 idle_wait_s=ctx.cfg.runtime.idle_wait_s,
             )
         except RoleNotBuilt as e:
-            log.error("%s: could not be built", name, exc_info=e.__cause__ or e)
+            # The traceback into the role's log only: the driver prints the one-line reason.
+            error = e.__cause__ or e
+            exc_info = (type(error), error, error.__traceback__)
+            record = log.makeRecord(
+                log.name, logging.ERROR, __file__, 0, "%s: could not be built", (name,), exc_info
+            )
+            (self.log_handler or log).handle(record)
             self._flush_log()
             self.build_error = str(e)
             return

@@ -258,6 +258,14 @@ def test_cli_bad_override_returns_2_and_names_the_key(
     assert captured.out == ""
 
 
+def refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *overrides: str) -> str:
+    """Run `streamrl train OVERRIDES`; assert it is refused (exit 2) before any work (no run
+    directory made); return what it printed on stderr."""
+    assert main(["train", *overrides, f"run.run_dir={tmp_path / 'run'}"]) == 2
+    assert not (tmp_path / "run").exists()
+    return capsys.readouterr().err
+
+
 def test_cli_refuses_a_model_whose_tokenizer_has_no_chat_template(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -267,10 +275,8 @@ def test_cli_refuses_a_model_whose_tokenizer_has_no_chat_template(
     tokenizer.chat_template = None
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{}")  # the tokenizer is all the check reads
-    assert main(["train", f"model.path={tmp_path}", f"run.run_dir={tmp_path / 'run'}"]) == 2
-    err = capsys.readouterr().err
+    err = refused(tmp_path, capsys, f"model.path={tmp_path}")
     assert "no chat template: set data.chat_template=false" in err
-    assert not (tmp_path / "run").exists()  # refused before any work
 
 
 def test_cli_refuses_a_model_the_builtin_engine_cannot_run(
@@ -282,19 +288,15 @@ def test_cli_refuses_a_model_the_builtin_engine_cannot_run(
 
     build_tokenizer().save_pretrained(tmp_path)
     GPT2Config(n_embd=32, n_layer=1, n_head=2).save_pretrained(tmp_path)
-    args = ["train", f"model.path={tmp_path}", f"run.run_dir={tmp_path / 'run'}"]
-    assert main(args) == 2
-    assert "model_type 'gpt2'; use one of those or rollout.engine=vllm" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    err = refused(tmp_path, capsys, f"model.path={tmp_path}")
+    assert "model_type 'gpt2'; use one of those or rollout.engine=vllm" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed")
 def test_cli_refuses_an_engine_that_is_not_installed(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", "rollout.engine=sglang", f"run.run_dir={tmp_path / 'run'}"]) == 2
-    assert "SGLang is not installed here" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    assert "SGLang is not installed here" in refused(tmp_path, capsys, "rollout.engine=sglang")
 
 
 def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
@@ -302,9 +304,8 @@ def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
 ) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text("oops\n")
-    assert main(["train", f"data.train_file={bad}", f"run.run_dir={tmp_path / 'run'}"]) == 2
-    assert f"dataset {str(bad)!r} has no valid row" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    err = refused(tmp_path, capsys, f"data.train_file={bad}")
+    assert f"dataset {str(bad)!r} has no valid row" in err
 
 
 def test_cli_refuses_cuda_without_a_gpu(
@@ -314,9 +315,8 @@ def test_cli_refuses_cuda_without_a_gpu(
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert main(["train", "trainer.device=cuda", f"run.run_dir={tmp_path / 'run'}"]) == 2
-    assert "trainer.device = 'cuda', but torch sees no GPU here" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    err = refused(tmp_path, capsys, "trainer.device=cuda")
+    assert "trainer.device = 'cuda', but torch sees no GPU here" in err
 
 
 def test_cli_resume_refuses_overrides_that_change_the_data_order(
