@@ -29,8 +29,14 @@ from streamrl.metrics import (
 from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.runtime.control import clear_stop, stop_on_interrupt
-from streamrl.runtime.errors import TrainerLost
-from streamrl.runtime.logs import attach_controller_log, detach, log_failure
+from streamrl.runtime.errors import RoleNotBuilt, TrainerLost
+from streamrl.runtime.logs import (
+    CONTROLLER,
+    attach_controller_log,
+    detach,
+    log_failure,
+    log_path,
+)
 from streamrl.runtime.roles import base_role
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
@@ -229,6 +235,11 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             run_dir,
         )
         raise
+    except RoleNotBuilt as e:
+        log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
+        if "(traceback: " in str(e):  # the role's own log has it (Ray mode)
+            raise
+        raise RoleNotBuilt(f"{e} (traceback: {log_path(run_dir, CONTROLLER)})") from e
     except Exception:
         log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
         raise

@@ -1,5 +1,8 @@
 """Errors the runtime raises to the controller (no Ray import, so every mode can catch them)."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class TrainerLost(RuntimeError):
     """The trainer's process died or its loop failed; resume from the latest checkpoint."""
@@ -12,3 +15,14 @@ class RoleNotBuilt(RuntimeError):
 
 class RoleFailed(RuntimeError):
     """A role failed more often than its restart budget allows."""
+
+
+@contextmanager
+def building(role: str) -> Iterator[None]:
+    """Turn a failure while building `role` into `RoleNotBuilt`, with the reason in one line."""
+    try:
+        yield
+    except RoleNotBuilt:
+        raise
+    except Exception as e:
+        raise RoleNotBuilt(f"the {role} role could not be built: {type(e).__name__}: {e}") from e

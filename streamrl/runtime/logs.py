@@ -64,12 +64,12 @@ def attach_controller_log(run_dir: Path) -> logging.Handler:
     return handler
 
 
-def log_failure(handler: logging.Handler, message: str) -> None:
-    """Write `message` and the exception being handled to `handler` alone (the console shows
-    the traceback anyway when it reaches the top)."""
-    record = logging.LogRecord(
-        "streamrl.runtime.controller", logging.ERROR, __file__, 0, message, None, sys.exc_info()
-    )
+def log_failure(
+    handler: logging.Handler, message: str, logger: str = "streamrl.runtime.controller"
+) -> None:
+    """Write `message` and the exception being handled to `handler` alone, not the console
+    (which gets a one-line reason, or the traceback when it reaches the top)."""
+    record = logging.LogRecord(logger, logging.ERROR, __file__, 0, message, None, sys.exc_info())
     handler.handle(record)
 
 

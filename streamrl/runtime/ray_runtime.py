@@ -39,7 +39,7 @@ from streamrl.runtime.components import batches_per_step, prompts_per_batch
 from streamrl.runtime.context import RunContext
 from streamrl.runtime.control import read_requests
 from streamrl.runtime.errors import RoleNotBuilt
-from streamrl.runtime.logs import attach_role_log, start_log_sink
+from streamrl.runtime.logs import attach_role_log, log_failure, start_log_sink
 from streamrl.runtime.placement import RolePlacementGroup, placement_options
 from streamrl.runtime.recovery import (
     DeferredAcks,
@@ -109,12 +109,10 @@ class RoleActor:
             )
         except RoleNotBuilt as e:
             # The traceback into the role's log only: the driver prints the one-line reason.
-            error = e.__cause__ or e
-            exc_info = (type(error), error, error.__traceback__)
-            record = log.makeRecord(
-                log.name, logging.ERROR, __file__, 0, "%s: could not be built", (name,), exc_info
-            )
-            (self.log_handler or log).handle(record)
+            if self.log_handler is not None:
+                log_failure(self.log_handler, f"{name}: could not be built", log.name)
+            else:
+                log.exception("%s: could not be built", name)
             self._flush_log()
             self.build_error = str(e)
             return

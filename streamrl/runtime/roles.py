@@ -21,7 +21,7 @@ from streamrl.reward.service import RewardRole
 from streamrl.rollout.service import RolloutRole
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
-from streamrl.runtime.errors import RoleNotBuilt
+from streamrl.runtime.errors import building
 from streamrl.runtime.recovery import feeder_bound, in_place_recovery
 from streamrl.trainer.advantage import NORMALISER_FILE, AdvantageRole
 from streamrl.trainer.checkpoint import load_checkpoint
@@ -161,10 +161,8 @@ def build_role(
 ):
     """Build role `name`; `claim_wait_s` > 0 makes its empty claims long-poll the bus, for
     `idle_wait_s` (default: the same) in roles that only the bus gives work to."""
-    try:
+    with building(name):
         role = _build_role(name, ctx, bus, weights, start_step=start_step)
-    except Exception as e:
-        raise RoleNotBuilt(f"the {name} role could not be built: {type(e).__name__}: {e}") from e
     target = role.role if isinstance(role, TrainerWithHooks) else role
     if hasattr(target, "claim_wait_s"):
         target.claim_wait_s = long_poll_s(target, claim_wait_s, idle_wait_s)

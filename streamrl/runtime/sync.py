@@ -20,6 +20,7 @@ from streamrl.reward.service import score_rows
 from streamrl.rollout.service import result_fields, to_requests
 from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
+from streamrl.runtime.errors import building
 from streamrl.trainer.advantage import NORMALISER_FILE, NormaliserLog, advantage_fields
 from streamrl.trainer.algos.shaping import RewardNormaliser
 from streamrl.trainer.checkpoint import load_checkpoint
@@ -32,14 +33,18 @@ def run_sync(
 ) -> dict[str, Any]:
     cfg = ctx.cfg
     tokenizer = load_tokenizer(ctx.policy_dir)
-    feeder = C.make_feeder(ctx)
-    trainer = C.make_batch_trainer(ctx)
+    with building("feeder"):
+        feeder = C.make_feeder(ctx)
+    with building("trainer"):
+        trainer = C.make_batch_trainer(ctx)
     if ctx.checkpoint is not None:
         load_checkpoint(ctx.checkpoint, trainer.learner)
     hooks = TrainerHooks(ctx, trainer.learner)
-    engine = C.make_engine(ctx)
+    with building("rollout"):
+        engine = C.make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
-    scorer = C.make_scorer(ctx)
+    with building("reward"):
+        scorer = C.make_scorer(ctx)
     reference = C.load_policy_model(ctx) if cfg.algorithm.kl_coef > 0 else None
     adv_settings = C.advantage_settings(cfg)
     reward_norm = (

@@ -12,7 +12,7 @@ from tests.integration.conftest import QUICK, run_cli
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("mode", ["inline", "ray"])
+@pytest.mark.parametrize("mode", ["inline", "sync", "threads", "ray"])
 def test_a_role_that_cannot_be_built_stops_the_run_with_its_reason(tmp_path, mode):
     model_dir = build_tiny_model_dir(
         tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
@@ -36,9 +36,9 @@ def test_a_role_that_cannot_be_built_stops_the_run_with_its_reason(tmp_path, mod
     assert reason.startswith("streamrl: the rollout role could not be built: SglangError")
     assert "Traceback" not in proc.stderr  # it is in the logs
     assert "SIGABRT" not in proc.stderr  # Ray's abort of an actor whose constructor raised
-    if mode == "ray":
-        log = run_dir / "logs" / "rollout.log"
-        assert f"(traceback: {log})" in reason
-        assert "Traceback" in log.read_text()
+    # Where the traceback is: the role's own log (its process), or the controller's (inline).
+    log = run_dir / "logs" / ("rollout.log" if mode == "ray" else "controller.log")
+    assert f"(traceback: {log})" in reason
+    assert "Traceback" in log.read_text()
     assert "Traceback" in (run_dir / "logs" / "controller.log").read_text()
     assert not (run_dir / "summary.json").exists()
