@@ -235,13 +235,10 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             run_dir,
         )
         raise
-    except RoleNotBuilt as e:
+    except Exception as e:
         log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
-        if "(traceback: " in str(e):  # the role's own log has it (Ray mode)
-            raise
-        raise RoleNotBuilt(f"{e} (traceback: {log_path(run_dir, CONTROLLER)})") from e
-    except Exception:
-        log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
+        if isinstance(e, RoleNotBuilt) and e.log is None:  # not in a role's own log
+            e.log = log_path(run_dir, CONTROLLER)
         raise
     finally:
         memory.stop()

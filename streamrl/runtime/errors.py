@@ -10,7 +10,15 @@ class TrainerLost(RuntimeError):
 
 class RoleNotBuilt(RuntimeError):
     """A role's constructor failed (a model, config or environment it cannot use): starting it
-    again would fail the same way, so the run stops with this one-line reason."""
+    again would fail the same way, so the run stops with this one-line reason. `log`: the file
+    that holds the traceback, once known (said after the reason)."""
+
+    def __init__(self, reason: str, log: object = None):
+        super().__init__(reason)
+        self.reason, self.log = reason, log
+
+    def __str__(self) -> str:
+        return self.reason if self.log is None else f"{self.reason} (traceback: {self.log})"
 
 
 class RoleFailed(RuntimeError):

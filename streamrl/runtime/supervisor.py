@@ -105,8 +105,7 @@ class Supervisor:
             except RayActorError as e:
                 infos.append({"build_error": _start_error(name, e)})
             if "build_error" in infos[-1]:
-                log_file = log_path(self.run_dir, name)
-                raise RoleNotBuilt(f"{infos[-1]['build_error']} (traceback: {log_file})")
+                raise RoleNotBuilt(infos[-1]["build_error"], log=log_path(self.run_dir, name))
         for name, info in zip(names, infos, strict=True):
             self.info[name] = {
                 **info,
