@@ -138,11 +138,11 @@ def check_local_resources(cfg) -> None:
 
 def check_model_dir(cfg) -> None:
     """Refuse a model directory that the run could only fail on, once its roles are up."""
-    from streamrl.data.prompts import NO_CHAT_TEMPLATE
+    from streamrl.data.prompts import NO_CHAT_TEMPLATE, has_chat_template
     from streamrl.models.loading import load_tokenizer
 
     path = cfg.model.path
-    if cfg.data.chat_template and getattr(load_tokenizer(path), "chat_template", None) is None:
+    if cfg.data.chat_template and not has_chat_template(load_tokenizer(path)):
         raise ConfigError(f"model.path = {path!r}: {NO_CHAT_TEMPLATE}")
     if cfg.rollout.engine == "builtin":
         from transformers import AutoConfig

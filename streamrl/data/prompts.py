@@ -10,13 +10,17 @@ NO_CHAT_TEMPLATE = (
 )
 
 
+def has_chat_template(tokenizer) -> bool:
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
 def encode_prompt(tokenizer, text: str, *, chat_template: bool = True) -> list[int]:
     """Token ids of a one-turn user message followed by the opening of the assistant turn, or
     with `chat_template=False` of the text as it is (with the tokenizer's own special tokens,
     such as a BOS): for base models, and prompts that carry their own format."""
     if not chat_template:
         return list(tokenizer(text)["input_ids"])
-    if getattr(tokenizer, "chat_template", None) is None:
+    if not has_chat_template(tokenizer):
         raise ValueError(NO_CHAT_TEMPLATE)
     encoded = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
