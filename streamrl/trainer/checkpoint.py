@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 KEEP_LAST = 2
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -34,14 +36,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     learner.model.save_pretrained(str(tmp / "model"))
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-    ):
-        if (policy_dir / name).is_file():
-            shutil.copy(policy_dir / name, tmp / "model" / name)
+    copy_model_files(policy_dir, tmp / "model")
     torch.save(
         {
             "optimizer": learner.optimizer_state_dict(tmp),
@@ -60,6 +55,34 @@ def save_checkpoint(
     return final
 
 
+def copy_model_files(policy_dir: Path, model_dir: Path) -> None:
+    """Copy into `model_dir` every file of the policy's directory that is not a weight file and
+    that `save_pretrained` did not write: the tokenizer in whatever form it came (`tokenizer.json`,
+    `vocab.json` and `merges.txt`, a SentencePiece `tokenizer.model`, ...), its chat template and a
+    processor's config, so that a checkpoint's model folder loads on its own anywhere."""
+    written = {p.name for p in model_dir.iterdir()}
+    for src in sorted(policy_dir.iterdir()):
+        if src.is_file() and src.name not in written and not _is_weights(src.name):
+            shutil.copy(src, model_dir / src.name)
+
+
+def _is_weights(name: str) -> bool:
+    return any(fnmatch(name, pattern) for pattern in WEIGHT_FILES)
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained` wrote into `model_dir`, in one file or in shards."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        weights.update(load_file(str(path)))
+    return weights
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = sorted(
         p for p in checkpoint_root(run_dir).glob("step-*") if (p / "trainer_state.json").is_file()
@@ -73,9 +96,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 def load_checkpoint(checkpoint: Path, learner) -> dict[str, Any]:
     """Restore `learner` (weights, optimizer, RNG) in place; return the trainer state."""
-    from safetensors.torch import load_file
-
-    weights = load_file(str(checkpoint / "model" / "model.safetensors"))
+    weights = read_weights(checkpoint / "model")
     blob = torch.load(checkpoint / "trainer.pt", weights_only=False)
     learner.load_weights_and_optimizer(weights, blob["optimizer"], checkpoint)
     torch.set_rng_state(blob["torch_rng"])
