@@ -6,7 +6,7 @@ under friendlier labels, when present:
 
     run_name, initial_eval_accuracy, final_eval_accuracy, num_steps, stopped_early, wall_time_s,
     tokens_per_s, peak_memory_bytes, num_samples_trained, num_samples_dropped
-    (an int, or a mapping reason -> count), trainer_idle_fraction
+    (an int, or a mapping reason -> count), trainer_idle_fraction, final_model_dir
 
 Values are formatted by key suffix, so new keys look right without code changes:
 `*_bytes` as GiB, `*_per_s` as a rate, `*_s` as a duration (m:ss from one minute on),
@@ -38,6 +38,7 @@ _LABELS: dict[str, str] = {
     "num_samples_trained": "samples trained",
     "num_samples_dropped": "samples dropped",
     "trainer_idle_fraction": "trainer idle",
+    "final_model_dir": "trained model",
 }
 
 

@@ -320,4 +320,6 @@ def _summary(
         "rollout_wait_fraction": (rollout_wait / rl_wall) if rollout_wait is not None else None,
         "role_restarts": role_stats.get("restarts", {}),
         "trainer_restarts": role_stats.get("trainer_restarts", 0),
+        # The trained policy as a Hugging Face directory (model, tokenizer, chat template).
+        "final_model_dir": str(last / "model") if (last := latest_checkpoint(run_dir)) else None,
     }

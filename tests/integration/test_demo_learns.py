@@ -52,3 +52,45 @@ def test_default_job_learns(tmp_path):
     assert (run_dir / "reward_accuracy.png").stat().st_size > 1000
     assert any((run_dir / "tb").iterdir())
     assert "final eval accuracy" in proc.stdout
+    assert "trained model" in proc.stdout
+    assert hf_generate_accuracy(summary["final_model_dir"]) == pytest.approx(
+        summary["final_eval_accuracy"], abs=0.02
+    )
+
+
+def hf_generate_accuracy(model_dir: str) -> float:
+    """Held-out greedy accuracy of the trained model directory loaded by plain transformers
+    (its own tokenizer and chat template, HF `generate`): the run's figure belongs to it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from streamrl.config.loader import load_config
+    from streamrl.data.dataset import builtin_rows
+    from streamrl.reward.rule import arith_exact_match
+
+    cfg = load_config([])
+    rows = builtin_rows(cfg.data.num_eval, digits=cfg.data.digits, seed=cfg.data.seed, split="eval")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": row.prompt}], tokenize=False, add_generation_prompt=True
+        )
+        for row in rows
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    answers = tokenizer.batch_decode(
+        out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+    )
+    scores = [
+        arith_exact_match(text, row.answer).value for text, row in zip(answers, rows, strict=True)
+    ]
+    return sum(score == 1.0 for score in scores) / len(rows)
