@@ -87,10 +87,8 @@ class RecordSink:
             self.slower_side.close(now)
 
     def rewind(self, step: int) -> None:
-        """The trainer resumes in place from the checkpoint of `step`: forget what came after
-        (a trainer starting anew, at step 0, evaluates step 0 again)."""
-        self.tracker.truncate_from(step + 1 if step else 0)
-        truncate_samples_log(self.run_dir, step + 1)
+        """The trainer resumes in place from the checkpoint of `step`: forget what came after."""
+        rewind_logs(self.run_dir, self.tracker, step)
         self._last_time = None
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -145,6 +143,15 @@ class RecordSink:
         self.progress.update(step, metrics)
 
 
+def rewind_logs(run_dir: Path, tracker: MetricsTracker, step: int) -> None:
+    """Forget what the run logged after the checkpoint of `step`: metrics and trained sample
+    ids from step + 1 on, or everything at step 0 (a trainer starting anew evaluates step 0
+    again)."""
+    keep_below = step + 1 if step else 0
+    tracker.truncate_from(keep_below)
+    truncate_samples_log(run_dir, keep_below)
+
+
 def truncate_samples_log(run_dir: Path, from_step: int) -> None:
     path = run_dir / SAMPLES_LOG
     if not path.exists():
@@ -191,9 +198,8 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             tracker = MetricsTracker(
                 run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
             )
-            if start_step or trainer_restarts:
-                tracker.truncate_from(start_step + 1)
-                truncate_samples_log(run_dir, start_step + 1)
+            if resume is not None or trainer_restarts:  # what came after the checkpoint
+                rewind_logs(run_dir, tracker, start_step)
             progress = RunProgress(
                 cfg.trainer.steps,
                 enabled=cfg.run.progress,
@@ -202,6 +208,11 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             )
             if sink is None:
                 sink = RecordSink(run_dir, tracker, progress)
+                # A resumed run's accuracy before RL is the first run's step-0 evaluation.
+                sink.first_eval = next(
+                    (m["eval/accuracy"] for m in read_metrics(run_dir) if "eval/accuracy" in m),
+                    None,
+                )
             else:  # after a trainer restart: keep the first evaluation and the counters
                 sink.tracker, sink.progress, sink._last_time = tracker, progress, None
             try:

@@ -8,7 +8,9 @@ everything trained after it) must equal that of an uninterrupted run with the sa
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,3 +99,35 @@ def test_a_resumed_ppo_run_restores_the_critic_of_the_same_batches(tmp_path, qui
     assert state["steps"] == 16  # one critic step per batch: none repeated, none skipped
     log = (run_dir / "logs" / "critic.log").read_text()
     assert "critic: restored" in log and "step-000008.pt" in log
+
+
+def test_a_run_resumed_before_its_first_checkpoint_starts_over_and_logs_each_step_once(
+    tmp_path, quick_cache
+):
+    run_dir = tmp_path / "early"
+    args = [*QUICK, f"run.cache_dir={quick_cache}", "trainer.steps=3", "runtime.mode=sync"]
+    run_cli(["train", *args, "trainer.eval_every=2", f"run.run_dir={run_dir}"])
+    first = json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(run_dir / "checkpoints")  # as if it had died before its first checkpoint
+
+    run_cli(["train", "--resume", str(run_dir)])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 0 and summary["num_steps"] == 3
+    assert summary["initial_eval_accuracy"] == first["initial_eval_accuracy"]
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert sorted(steps) == sorted(set(steps)), f"steps logged twice: {steps}"
+    assert _trained(run_dir) == Counter(
+        f"b{b}-p{p}-s{s}" for b in range(3) for p in range(4) for s in range(4)
+    )
+
+    # Resumed from its checkpoint, the summary's accuracy before RL is still the step-0
+    # evaluation (marked here so that no later evaluation can pass for it).
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics[0]["step"] == 0
+    metrics[0]["eval/accuracy"] = 0.125
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    run_cli(["train", "--resume", str(run_dir), "trainer.steps=5"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["initial_eval_accuracy"] == 0.125
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 5
