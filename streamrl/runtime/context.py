@@ -7,6 +7,7 @@ be passed to Ray actors, which rebuild their heavy objects (model, tokenizer) fr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -32,9 +33,20 @@ class RunContext:
 
 
 def make_run_dir(cfg: Config) -> Path:
+    """`run.run_dir`, or a new `runs/<timestamp>` folder: created here, with a suffix when jobs
+    started in the same second (a sweep) would otherwise share one."""
     if cfg.run.run_dir is not None:
         return Path(cfg.run.run_dir)
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    Path("runs").mkdir(exist_ok=True)
+    for n in itertools.count():
+        path = Path("runs") / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
