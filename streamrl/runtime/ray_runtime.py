@@ -150,7 +150,11 @@ class RoleActor:
             loop_role(self.role, self._stop, self.poll_s, after_step=log_stats)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
-            log.exception("%s: loop failed", self.name)
+            # The traceback into the role's log only: the driver prints the one-line reason.
+            if self.log_handler is not None:
+                log_failure(self.log_handler, f"{self.name}: loop failed", log.name)
+            else:
+                log.exception("%s: loop failed", self.name)
             raise
         finally:
             close = getattr(self.role, "close", None)

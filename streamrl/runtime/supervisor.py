@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
-from streamrl.runtime.errors import RoleFailed, RoleNotBuilt, TrainerLost
+from streamrl.runtime.errors import RoleFailed, RoleNotBuilt, TrainerLost, one_line
 from streamrl.runtime.logs import log_path, supervisor_line
 from streamrl.runtime.roles import base_role
 from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
@@ -136,8 +136,12 @@ class Supervisor:
             except RayActorError as e:
                 self.failed(name, f"process died ({type(e).__name__})")
                 continue
-            except Exception as e:  # the role's own error, with its traceback in the log
-                self.failed(name, f"{type(e).__name__}: {e}")
+            except RayTaskError as e:  # the role's own error, with its traceback in its log
+                cause = e.cause if isinstance(e.cause, BaseException) else e
+                self.failed(name, one_line(cause))
+                continue
+            except Exception as e:  # Ray's own (an object lost, ...)
+                self.failed(name, one_line(e))
                 continue
             if name == "trainer":
                 trainer_done = True
@@ -181,7 +185,8 @@ class Supervisor:
             self.write_status()
             raise RoleFailed(
                 f"role {name!r} failed {used + 1} times (runtime.max_restarts={self.max_restarts}); "
-                f"last failure: {reason}"
+                f"last failure: {reason}",
+                log=log_path(self.run_dir, name),
             )
         self.restarts[name] = used + 1
         delay = self.backoff_s * 2**used

@@ -19,7 +19,6 @@ every other role loops in a daemon thread (`loop_role`) until the trainer is don
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 from streamrl.bus.local import LocalBus
 from streamrl.runtime.components import set_threads
 from streamrl.runtime.context import RunContext
+from streamrl.runtime.errors import RoleFailed, one_line
 from streamrl.runtime.roles import (
     active_roles,
     build_role,
@@ -37,8 +37,6 @@ from streamrl.runtime.roles import (
     stall_message,
 )
 from streamrl.weights.dcs import InProcessWeights
-
-log = logging.getLogger(__name__)
 
 
 class RoleThread:
@@ -59,7 +57,7 @@ class RoleThread:
         try:
             loop_role(self.role, self._stop, self._poll_s)
         except BaseException as e:  # noqa: BLE001 - handed to the driver, which ends the run
-            log.exception("%s: loop failed", self.name)
+            # (and writes its traceback into logs/controller.log)
             self.error = e
             self._stop.set()
 
@@ -128,7 +126,9 @@ def _train(ctx, trainer, bus, others, stop, role_stats, on_record) -> None:
         nonlocal last_record
         failed = next((t for t in others.values() if t.error is not None), None)
         if failed is not None:
-            raise RuntimeError(f"role {failed.name} failed: {failed.error!r}") from failed.error
+            raise RoleFailed(f"role {failed.name} failed: {one_line(failed.error)}") from (
+                failed.error
+            )
         records = trainer.drain()
         if records:
             records[-1]["roles"] = role_stats()
