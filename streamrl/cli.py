@@ -170,15 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     from streamrl.runtime.controller import train
-    from streamrl.runtime.errors import RoleNotBuilt
+    from streamrl.runtime.errors import RoleError
 
     try:
         train(cfg, resume=resume)
     except KeyboardInterrupt:  # a second Ctrl-C; the controller said how to resume
         return 130
-    except RoleNotBuilt as e:  # its traceback is in the role's log and logs/controller.log
+    except RoleError as e:  # its traceback is in the role's log and logs/controller.log
         print(f"streamrl: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # found once the model is known (say, data that cannot fit it)
+        print(f"streamrl: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,10 +69,14 @@ DATA_ORDER_KEYS = (
 )
 
 
+# With a data file, also which of its rows are too long to keep (streamrl.runtime.context).
+FILE_ORDER_KEYS = ("rollout.max_new_tokens", "rollout.vllm_max_model_len", "data.chat_template")
+
+
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:
     """Refuse resume overrides that change the data order the run's checkpoints count in."""
     changed = []
-    for key in DATA_ORDER_KEYS:
+    for key in DATA_ORDER_KEYS + (FILE_ORDER_KEYS if saved.data.train_file else ()):
         section, name = key.split(".")
         before, after = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
         if before != after:

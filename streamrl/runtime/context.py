@@ -8,12 +8,14 @@ be passed to Ray actors, which rebuild their heavy objects (model, tokenizer) fr
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamrl.config import ConfigError
 from streamrl.config.schema import Config
 from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
 
@@ -30,6 +32,8 @@ class RunContext:
     num_malformed_rows: int = 0
     checkpoint: Path | None = None
     """Checkpoint the trainer resumes from (None: a fresh start)."""
+    num_overlong_prompts: int = 0
+    """Rows of the data files left out: prompt + rollout.max_new_tokens beyond the context."""
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -93,4 +97,62 @@ def prepare(
     cfg: Config, policy_dir: Path, run_dir: Path, checkpoint: Path | None = None
 ) -> RunContext:
     train, evals, skipped = load_datasets(cfg)
-    return RunContext(cfg, policy_dir, run_dir, train, evals, skipped, checkpoint)
+    overlong = 0
+    if cfg.data.train_file or cfg.data.eval_file:  # the built-in task's prompts are short
+        train, evals, overlong = drop_overlong_prompts(cfg, policy_dir, train, evals)
+    return RunContext(cfg, policy_dir, run_dir, train, evals, skipped, checkpoint, overlong)
+
+
+def context_length(cfg: Config, policy_dir: Path) -> int | None:
+    """The most tokens (prompt + response) the rollout engine takes for one sample."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm_max_model_len:
+        return cfg.rollout.vllm_max_model_len
+    model = json.loads((Path(policy_dir) / "config.json").read_text())
+    model = model.get("text_config", model)  # multimodal configs nest the language model's
+    return model.get("max_position_embeddings")
+
+
+def drop_overlong_prompts(
+    cfg: Config, policy_dir: Path, train: list[PromptRow], evals: list[PromptRow]
+) -> tuple[list[PromptRow], list[PromptRow], int]:
+    """Leave out the rows whose prompt, with `rollout.max_new_tokens` of response, would not
+    fit in the model's context: an engine refuses them (vLLM) or runs past the positions the
+    model knows (the builtin engine). Each kept list keeps its order; both must keep a row."""
+    from streamrl.data.prompts import prompt_lengths_over
+    from streamrl.models.loading import load_tokenizer
+
+    context = context_length(cfg, policy_dir)
+    if context is None:
+        return train, evals, 0
+    limit = context - cfg.rollout.max_new_tokens
+    if limit < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} leaves no room for a prompt "
+            f"in the model's context of {context} tokens"
+        )
+    tokenizer = load_tokenizer(policy_dir)
+    kept_lists, dropped = [], 0
+    for name, rows in (("training", train), ("evaluation", evals)):
+        over = prompt_lengths_over(
+            tokenizer, [row.prompt for row in rows], limit, chat_template=cfg.data.chat_template
+        )
+        if over:
+            log.warning(
+                "%d of the %d %s prompts left out: longer than %d tokens (the context of %d "
+                "minus rollout.max_new_tokens = %d); the longest has %d",
+                len(over),
+                len(rows),
+                name,
+                limit,
+                context,
+                cfg.rollout.max_new_tokens,
+                max(over.values()),
+            )
+        if len(over) == len(rows):
+            raise ConfigError(
+                f"every {name} prompt is longer than {limit} tokens (the model's context of "
+                f"{context} minus rollout.max_new_tokens = {cfg.rollout.max_new_tokens})"
+            )
+        kept_lists.append([row for i, row in enumerate(rows) if i not in over])
+        dropped += len(over)
+    return kept_lists[0], kept_lists[1], dropped

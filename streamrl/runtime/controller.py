@@ -29,7 +29,7 @@ from streamrl.metrics import (
 from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.runtime.control import clear_stop, stop_on_interrupt
-from streamrl.runtime.errors import RoleNotBuilt, TrainerLost
+from streamrl.runtime.errors import RoleError, RoleFailed, TrainerLost
 from streamrl.runtime.logs import (
     CONTROLLER,
     attach_controller_log,
@@ -222,8 +222,10 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
             except TrainerLost as e:
                 tracker.close()
                 if trainer_restarts >= cfg.runtime.max_restarts:
-                    raise RuntimeError(
-                        f"{e}; restart budget (runtime.max_restarts={cfg.runtime.max_restarts}) spent"
+                    raise RoleFailed(
+                        f"{e}; restart budget (runtime.max_restarts={cfg.runtime.max_restarts}) "
+                        "spent",
+                        log=log_path(run_dir, "trainer"),
                     ) from e
                 trainer_restarts += 1
                 checkpoint = latest_checkpoint(run_dir)
@@ -248,7 +250,7 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
         raise
     except Exception as e:
         log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
-        if isinstance(e, RoleNotBuilt) and e.log is None:  # not in a role's own log
+        if isinstance(e, RoleError) and e.log is None:  # not in a role's own log
             e.log = log_path(run_dir, CONTROLLER)
         raise
     finally:
@@ -263,7 +265,7 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
         rl_wall,
         memory.peak_bytes,
         start_step,
-        ctx.num_malformed_rows,
+        ctx,
     )
     write_summary(run_dir, summary)
     plot_run(
@@ -296,7 +298,7 @@ def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
 
 
 def _summary(
-    cfg, run_dir, sink: RecordSink, role_stats, started, rl_wall, peak_bytes, start_step, malformed
+    cfg, run_dir, sink: RecordSink, role_stats, started, rl_wall, peak_bytes, start_step, ctx
 ) -> dict[str, Any]:
     rollout = role_stats.get("rollout", {})
     rollout_busy, rollout_wait = rollout.get("busy_s"), rollout.get("wait_s")
@@ -320,7 +322,8 @@ def _summary(
         "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
         "peak_memory_bytes": peak_bytes,
         "num_samples_dropped": dict(sink.dropped),
-        "num_malformed_dataset_rows": malformed,
+        "num_malformed_dataset_rows": ctx.num_malformed_rows,
+        "num_overlong_prompts": ctx.num_overlong_prompts,
         "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),
         "rollout_busy_fraction": (rollout_busy / rl_wall) if rollout_busy is not None else None,
         # Per 10-step window the busier of trainer and rollout sets the pace: how busy it was

@@ -336,6 +336,17 @@ def test_cli_resume_refuses_overrides_that_change_the_data_order(
     assert (tmp_path / "config.yaml").read_text() == before
 
 
+def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path: Path) -> None:
+    from streamrl.config.preflight import check_same_data_order
+
+    data = tmp_path / "train.jsonl"
+    builtin, own = load_config([]), load_config([f"data.train_file={data}"])
+    longer = ["rollout.max_new_tokens=64"]
+    check_same_data_order(builtin, load_config(longer), tmp_path)  # the built-in task: fine
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens 24 -> 64 would change"):
+        check_same_data_order(own, load_config([f"data.train_file={data}", *longer]), tmp_path)
+
+
 def test_cli_resume_of_a_finished_run_changes_nothing(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

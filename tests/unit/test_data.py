@@ -14,13 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl.api import fields as F
-from streamrl.config import load_config
+from streamrl.config import ConfigError, load_config
 from streamrl.data.arith import has_carry, is_eval_pair, sample_problems, worked_solution
 from streamrl.data.dataset import MAX_WARNINGS, PromptRow, builtin_rows, load_jsonl
 from streamrl.data.feeder import PromptFeeder
-from streamrl.data.prompts import encode_prompt, encode_response
+from streamrl.data.prompts import encode_prompt, encode_response, prompt_lengths_over
 from streamrl.models.tokenizer import build_tokenizer
-from streamrl.runtime.context import hold_out, load_datasets
+from streamrl.runtime.context import hold_out, load_datasets, prepare
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,48 @@ def test_a_train_file_without_an_eval_file_holds_rows_out_of_it(tmp_path: Path) 
     assert len(hold_out(train + evals, 256, 0)[1]) == 5  # at most a tenth of the file
     with pytest.raises(ValueError, match="need two or more"):
         hold_out(evals[:1], 256, 0)
+
+
+def write_rows(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    return path
+
+
+def test_prompts_that_cannot_fit_the_context_are_left_out(
+    tmp_path: Path, model_dir: Path, caplog
+) -> None:
+    # The tiny model's context is 256 positions; 24 new tokens leave 232 for a prompt, of
+    # which the chat template takes 3 (<|user|>, <|end|>, <|assistant|>).
+    prompts = [f"{i}+1=" for i in range(60)]
+    for i in (3, 17, 41, 58):
+        prompts[i] = "1+" * 115 + f"{i}="  # 232-233 characters: 235-236 tokens
+    prompts[8] = "1+" * 113 + "8="  # 228 characters, 231 tokens: fits
+    path = write_rows(tmp_path / "train.jsonl", prompts)
+    cfg = load_config([f"data.train_file={path}", "data.num_eval=6", "rollout.max_new_tokens=24"])
+    with caplog.at_level(logging.WARNING):
+        ctx = prepare(cfg, model_dir, tmp_path / "run")
+    assert ctx.num_overlong_prompts == 4
+    kept = [row.prompt for row in ctx.train_rows + ctx.eval_rows]
+    assert len(kept) == 56 and prompts[8] in kept
+    assert all(len(encode_prompt(build_tokenizer(), p)) <= 232 for p in kept)
+    assert "longer than 232 tokens (the context of 256 minus rollout.max_new_tokens = 24)" in (
+        caplog.text
+    )
+    # Shorter answers make room for them all.
+    roomy = load_config([f"data.train_file={path}", "rollout.max_new_tokens=16"])
+    assert prepare(roomy, model_dir, tmp_path / "run").num_overlong_prompts == 0
+    no_room = load_config([f"data.train_file={path}", "rollout.max_new_tokens=250"])
+    with pytest.raises(ConfigError, match="every training prompt is longer than 6 tokens"):
+        prepare(no_room, model_dir, tmp_path / "run")
+
+
+@given(st.lists(st.text(alphabet="0123456789+=: abc", max_size=40), min_size=1, max_size=20))
+def test_lengths_over_a_limit_are_the_exact_encoded_lengths(texts: list[str]) -> None:
+    tokenizer = build_tokenizer()
+    exact = {i: len(encode_prompt(tokenizer, t)) for i, t in enumerate(texts)}
+    for limit in (5, 20, 40):
+        over = prompt_lengths_over(tokenizer, texts, limit)
+        assert over == {i: n for i, n in exact.items() if n > limit}
 
 
 def test_load_jsonl_of_a_missing_file_raises(tmp_path: Path) -> None:
