@@ -7,7 +7,6 @@ be passed to Ray actors, which rebuild their heavy objects (model, tokenizer) fr
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import random
@@ -43,14 +42,14 @@ def make_run_dir(cfg: Config) -> Path:
         return Path(cfg.run.run_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     Path("runs").mkdir(exist_ok=True)
-    for n in itertools.count():
+    n = 0
+    while True:
         path = Path("runs") / (stamp if n == 0 else f"{stamp}-{n}")
         try:
-            path.mkdir()
+            path.mkdir()  # atomic: of two jobs, one gets it
             return path
         except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
+            n += 1
 
 
 def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
