@@ -14,6 +14,7 @@ started, trained with async GRPO on the built-in arithmetic task, on this machin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -36,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint"
     )
     status = sub.add_parser(
-        "status", help="where every role of a Ray-mode run runs, its health and its restarts"
+        "status",
+        help="whether a run is running, how far it got, and (Ray mode) where each role runs, "
+        "its health and its restarts",
     )
     status.add_argument("run_dir", metavar="RUN_DIR")
     logs = sub.add_parser(
@@ -66,31 +69,61 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def format_status(run_dir: Path) -> str:
-    """A table of `roles.json`, which the supervisor keeps current while the run is alive."""
+    """Whether the run's job lives, how far it got, and (Ray mode) where each role runs, its
+    health and restarts, from `roles.json`, which the supervisor keeps current."""
     import time
 
-    from streamrl.runtime.control import stop_requested
-    from streamrl.runtime.status import read_status
+    from streamrl.metrics.tracker import read_metrics
+    from streamrl.runtime.control import live_job, stop_requested
+    from streamrl.runtime.status import STATUS_FILE, read_status
+    from streamrl.trainer.checkpoint import latest_checkpoint
 
-    status = read_status(run_dir)
-    age = time.time() - status["updated"]
-    state = "running" if status.get("running", True) else "finished (roles stopped)"
-    if state == "running" and stop_requested(run_dir):
-        state = "running, stop requested (it ends after its current step)"
-    lines = [
-        f"{run_dir}: {state}, updated {age:.0f}s ago",
-        f"{'role':10} {'node':15} {'pid':>7} {'health':8} {'restarts':8} log",
-    ]
-    for name, info in status["roles"].items():
-        health = "ok" if info["healthy"] else "down"
-        lines.append(
-            f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} {info['restarts']:<8} "
-            f"{info.get('log', '')}"
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a streamrl run directory (no config.yaml)")
+    steps = load_config([str(run_dir / "config.yaml")]).trainer.steps
+    pid = live_job(run_dir)
+    summary = run_dir / "summary.json"
+    if pid is not None:
+        state = f"running (pid {pid})"
+        if stop_requested(run_dir):
+            state += ", stop requested (it ends after its current step)"
+    elif summary.is_file():
+        state = "stopped early" if json.loads(summary.read_text())["stopped_early"] else "finished"
+    else:
+        last = latest_checkpoint(run_dir)
+        state = (
+            "not running, and it did not finish (it failed or was killed: the end of "
+            f"logs/controller.log says which); `streamrl train --resume {run_dir}` continues it "
+            f"from {last.name if last else 'step 0'}"
         )
-    lines.append(
-        f"logs of every role and the controller: {run_dir}/logs (`streamrl logs {run_dir} ROLE`); "
-        f"failures and restarts: {run_dir}/events.jsonl"
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    trained = [r["step"] for r in records if "train/loss" in r]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    progress = f"step {trained[-1] if trained else 0}/{steps}"
+    if evals:
+        progress += f", held-out accuracy {evals[-1][1]:.3f} at step {evals[-1][0]}"
+        if len(evals) > 1:
+            progress += f" ({evals[0][1]:.3f} at step {evals[0][0]})"
+    lines = [f"{run_dir}: {state}; {progress}"]
+    if (run_dir / STATUS_FILE).is_file():  # Ray mode
+        status = read_status(run_dir)
+        age = time.time() - status["updated"]
+        lines.append(
+            f"roles ({'updated' if pid is not None else 'as last recorded'} {age:.0f}s ago):"
+        )
+        lines.append(f"{'role':10} {'node':15} {'pid':>7} {'health':8} {'restarts':8} log")
+        for name, info in status["roles"].items():
+            health = "ok" if info["healthy"] else "down"
+            lines.append(
+                f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} "
+                f"{info['restarts']:<8} {info.get('log', '')}"
+            )
+    where = (
+        f"logs of every role and the controller: {run_dir}/logs (`streamrl logs {run_dir} ROLE`)"
     )
+    if (run_dir / STATUS_FILE).is_file():
+        where += f"; failures and restarts: {run_dir}/events.jsonl"
+    lines.append(where)
     return "\n".join(lines)
 
 

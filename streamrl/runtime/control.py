@@ -11,12 +11,16 @@ trainer evaluates, writes a checkpoint and the summary as at a planned end, and
 the request when it starts, so a resumed run does not stop at once. Ctrl-C in the terminal of a
 training run asks the same (`stop_on_interrupt`); a second Ctrl-C stops it at once.
 
+`hold_run_dir` keeps a second job out of a live run's directory (an accidental `--resume` of
+a run still training, say): both would write its checkpoints and logs.
+
 Ray-free, so the commands start in a blink.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -24,13 +28,58 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from streamrl.config.schema import SCALABLE_ROLES
 
 log = logging.getLogger(__name__)
 
 CONTROL_FILE = "control.json"
+
+
+LOCK_FILE = ".lock"
+
+
+class RunDirInUse(RuntimeError):
+    """Another live job holds this run directory."""
+
+
+def hold_run_dir(run_dir: Path) -> IO[str]:
+    """Lock `run_dir` for this job until the returned file is closed or the process ends, however
+    it ends (a POSIX record lock: the kernel drops it with the process, and forked children, such
+    as a reward sandbox, do not inherit it). Raises `RunDirInUse` while another job holds it."""
+    lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the run's lifetime
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunDirInUse(
+            f"{run_dir} is in use by a running job (pid {holder}); `streamrl stop {run_dir}` "
+            "ends it after its current step"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def live_job(run_dir: Path) -> int | None:
+    """The pid of the job holding `run_dir`, or None when no live job does."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file():
+        return None
+    with open(path, "a+") as probe:
+        try:
+            fcntl.lockf(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            probe.seek(0)
+            holder = probe.read().strip()
+            return int(holder) if holder.isdigit() else -1
+        fcntl.lockf(probe, fcntl.LOCK_UN)
+        return None
 
 
 def set_replicas(run_dir: Path, role: str, replicas: int) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl.config import Config, dump_yaml
+from streamrl.config import Config, ConfigError, dump_yaml
 from streamrl.metrics import (
     MetricsTracker,
     PeakMemorySampler,
@@ -28,7 +28,7 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide
 from streamrl.runtime.context import make_run_dir, prepare
-from streamrl.runtime.control import clear_stop, stop_on_interrupt
+from streamrl.runtime.control import RunDirInUse, clear_stop, hold_run_dir, stop_on_interrupt
 from streamrl.runtime.errors import RoleError, RoleFailed, TrainerLost
 from streamrl.runtime.logs import (
     CONTROLLER,
@@ -170,7 +170,23 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     """Run (or resume) a training job; returns the summary also written to summary.json."""
     started = time.time()
     run_dir = resume if resume is not None else make_run_dir(cfg)
+    if resume is None and (run_dir / "config.yaml").exists():
+        raise ConfigError(
+            f"run.run_dir = {str(run_dir)!r} already holds a run: `streamrl train --resume "
+            f"{run_dir}` continues it; for a new run choose another run.run_dir (or delete it)"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = hold_run_dir(run_dir)
+    except RunDirInUse as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return _train(cfg, run_dir, resume, started)
+    finally:
+        lock.close()
+
+
+def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> dict[str, Any]:
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     clear_stop(run_dir)  # a stop asked of an earlier run in this directory is spent
     run_log = attach_controller_log(run_dir)  # logs/controller.log; roles log beside it

@@ -5,6 +5,8 @@ A checkpoint is written after optimizer step k, before that step's rows are ackn
 half-written one). Everything trained is exactly batches 0..k-1, so `trainer_state.json`'s
 `next_step` is also the feeder's cursor: a resumed run regenerates in-flight batches with the
 same sample ids and trains each sample exactly once. The model folder is a normal HF directory.
+torch is imported by the functions that write and read tensors, so that the CLI's `status`
+finds checkpoints without it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import random
 import shutil
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KEEP_LAST = 2
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt")
@@ -30,6 +32,9 @@ def checkpoint_root(run_dir: Path) -> Path:
 def save_checkpoint(
     run_dir: Path, next_step: int, learner, policy_dir: Path, extra: dict[str, Any]
 ) -> Path:
+    import numpy as np
+    import torch
+
     root = checkpoint_root(run_dir)
     final = root / f"step-{next_step:06d}"
     tmp = root / f".tmp-step-{next_step:06d}"
@@ -96,6 +101,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 def load_checkpoint(checkpoint: Path, learner) -> dict[str, Any]:
     """Restore `learner` (weights, optimizer, RNG) in place; return the trainer state."""
+    import numpy as np
+    import torch
+
     weights = read_weights(checkpoint / "model")
     blob = torch.load(checkpoint / "trainer.pt", weights_only=False)
     learner.load_weights_and_optimizer(weights, blob["optimizer"], checkpoint)

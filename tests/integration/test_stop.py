@@ -36,6 +36,9 @@ def test_stop_then_resume_trains_each_sample_once(tmp_path, quick_cache, mode):
     proc = start(_args(quick_cache, mode), run_dir)
     try:
         wait_for(proc, "step 3", lambda: steps_done(run_dir) >= 3)
+        # A resume of the live run (another terminal, say) is refused: both would write here.
+        twice = run_cli(["train", "--resume", str(run_dir)], check_ok=False)
+        assert twice.returncode == 2 and "in use by a running job" in twice.stderr
         run_cli(["stop", str(run_dir)])
         finish(proc)
     finally:

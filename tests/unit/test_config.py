@@ -347,6 +347,20 @@ def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path
         check_same_data_order(own, load_config([f"data.train_file={data}", *longer]), tmp_path)
 
 
+def test_cli_refuses_a_new_run_into_the_directory_of_another(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(load_config([])))
+    before = {p: p.read_bytes() for p in run.rglob("*")}
+    assert main(["train", f"run.run_dir={run}"]) == 2
+    assert f"already holds a run: `streamrl train --resume {run}` continues it" in (
+        capsys.readouterr().err
+    )
+    assert {p: p.read_bytes() for p in run.rglob("*")} == before
+
+
 def test_cli_resume_of_a_finished_run_changes_nothing(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -83,17 +85,48 @@ def _fake_run(run_dir):
     }
     status = {"updated": time.time(), "running": True, "roles": roles}
     (run_dir / "roles.json").write_text(json.dumps(status))
+    (run_dir / "config.yaml").write_text("trainer:\n  steps: 50\n")
+    records = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "train/loss": 0.5}]
+    records += [
+        {"step": 2, "train/loss": 0.4, "eval/accuracy": 0.5},
+        {"step": 3, "train/loss": 0.3},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_status_points_to_the_logs(tmp_path):
+HOLDER = (
+    "import sys, time; from pathlib import Path; from streamrl.runtime.control import "
+    "hold_run_dir; lock = hold_run_dir(Path(sys.argv[1])); print('held', flush=True); "
+    "time.sleep(60)"
+)
+
+
+def test_status_points_to_the_logs_and_knows_whether_the_job_lives(tmp_path):
     _fake_run(tmp_path)
+    job = subprocess.Popen(  # the run's driver, holding its directory
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert job.stdout.readline() == "held\n"
+        status = format_status(tmp_path)
+        assert status.splitlines()[0] == (
+            f"{tmp_path}: running (pid {job.pid}); step 3/50, held-out accuracy 0.500 at step 2 "
+            "(0.250 at step 0)"
+        )
+        assert "logs/rollout-1.log" in status
+        assert f"{tmp_path}/logs" in status and "events.jsonl" in status
+        assert "stop requested" not in status
+        assert main(["stop", str(tmp_path)]) == 0
+        assert f"running (pid {job.pid}), stop requested" in format_status(tmp_path)
+    finally:
+        job.kill()
+        job.wait()
+    # Killed: roles.json still says running; the lock knows better.
     status = format_status(tmp_path)
-    assert "logs/rollout-1.log" in status
-    assert f"{tmp_path}/logs" in status and "events.jsonl" in status
-    assert "stop requested" not in status
-    (tmp_path / "config.yaml").write_text("{}\n")
-    assert main(["stop", str(tmp_path)]) == 0
-    assert "running, stop requested" in format_status(tmp_path)
+    assert status.startswith(f"{tmp_path}: not running, and it did not finish (it failed or was")
+    assert "roles (as last recorded" in status
+    (tmp_path / "summary.json").write_text('{"stopped_early": false}')
+    assert format_status(tmp_path).startswith(f"{tmp_path}: finished; step 3/50")
 
 
 def test_logs_command_tails_one_role_or_all(tmp_path, capsys):
