@@ -82,6 +82,7 @@ class FakeSglangServer:
         port: int = 0,
         stop_on_model_eos: bool = True,
         hold_at_tokens: int | None = None,
+        fail_generate: str | None = None,
     ):
         self.model_dir = str(model_dir)
         model = load_causal_lm(model_dir)
@@ -94,6 +95,9 @@ class FakeSglangServer:
         self.hold_at_tokens = hold_at_tokens
         """Test knob, not SGLang: requests stop after this many tokens until the next weight
         update, so a test can update weights mid-generation at a known point."""
+        self.fail_generate = fail_generate
+        """Test knob, not SGLang: every /generate answers HTTP 500 with this message (a server
+        that keeps failing once it is up, as one out of memory does)."""
         self.weight_version = "default"
         self.stats = dict(
             generate=0, aborted=0, pauses=0, continues=0, weight_updates=0, cache_flushes=0
@@ -192,6 +196,8 @@ class FakeSglangServer:
     # -- endpoints -----------------------------------------------------------------------------
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.fail_generate is not None:
+            raise HttpError(500, self.fail_generate)
         input_ids = body.get("input_ids")
         if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
             raise HttpError(400, "the fake SGLang server takes one prompt as a list of input_ids")
@@ -461,8 +467,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--fail-generate", metavar="MESSAGE", help="test knob: see the class")
     args, ignored = parser.parse_known_args(argv)
-    server = FakeSglangServer(args.model_path, host=args.host, port=args.port).start()
+    server = FakeSglangServer(
+        args.model_path, host=args.host, port=args.port, fail_generate=args.fail_generate
+    ).start()
     print(f"fake SGLang server on {server.url}; ignored arguments: {ignored}", flush=True)
     threading.Event().wait()  # until killed
 

@@ -53,7 +53,7 @@ def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode)
     model_dir = build_tiny_model_dir(
         tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
     )
-    server = Path(__file__).with_name("broken_sglang.py")
+    server = Path(__file__).parents[1] / "fakes" / "sglang_server.py"
     run_dir = tmp_path / "run"
     proc = run_cli(
         [
@@ -63,7 +63,8 @@ def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode)
             f"runtime.mode={mode}",
             "runtime.max_restarts=1",
             "rollout.engine=sglang",  # a server that fails every generation
-            f'rollout.sglang_launch_cmd=["{sys.executable}", "{server}"]',
+            f'rollout.sglang_launch_cmd=["{sys.executable}", "{server}", "--fail-generate", '
+            '"CUDA out of memory (simulated)"]',
             f"run.run_dir={run_dir}",
         ],
         check_ok=False,
