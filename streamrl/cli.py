@@ -165,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "stop":
-            from streamrl.runtime.control import request_stop
+            from streamrl.runtime.control import live_job, request_stop
 
-            request_stop(Path(args.run_dir))
+            run_dir = Path(args.run_dir)
+            if (run_dir / "config.yaml").is_file() and live_job(run_dir) is None:
+                print(f"streamrl: {run_dir} is not running; nothing to stop", file=sys.stderr)
+                return 1
+            request_stop(run_dir)
             print(
                 f"asked {args.run_dir} to stop after its current step; it writes a checkpoint "
                 f"and its summary, and `streamrl train --resume {args.run_dir}` continues it"

@@ -122,6 +122,7 @@ def test_status_points_to_the_logs_and_knows_whether_the_job_lives(tmp_path):
         job.kill()
         job.wait()
     # Killed: roles.json still says running; the lock knows better.
+    assert main(["stop", str(tmp_path)]) == 1  # nothing to stop
     status = format_status(tmp_path)
     assert status.startswith(f"{tmp_path}: not running, and it did not finish (it failed or was")
     assert "roles (as last recorded" in status
