@@ -47,7 +47,9 @@ class RunDirInUse(RuntimeError):
 def hold_run_dir(run_dir: Path) -> IO[str]:
     """Lock `run_dir` for this job until the returned file is closed or the process ends, however
     it ends (a POSIX record lock: the kernel drops it with the process, and forked children, such
-    as a reward sandbox, do not inherit it). Raises `RunDirInUse` while another job holds it."""
+    as a reward sandbox, do not inherit it). Raises `RunDirInUse` while another job holds it.
+    A POSIX lock also ends when its process closes any descriptor of the file: `live_job` is
+    for other processes (the CLI's `status` and `stop`), never the job itself."""
     lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the run's lifetime
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
