@@ -74,12 +74,12 @@ def format_status(run_dir: Path) -> str:
     import time
 
     from streamrl.metrics.tracker import read_metrics
-    from streamrl.runtime.control import live_job, stop_requested
+    from streamrl.runtime.control import check_run_dir, live_job, stop_requested
     from streamrl.runtime.status import STATUS_FILE, read_status
     from streamrl.trainer.checkpoint import latest_checkpoint
 
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a streamrl run directory (no config.yaml)")
+    check_run_dir(run_dir)
+    ray_mode = (run_dir / STATUS_FILE).is_file()
     steps = load_config([str(run_dir / "config.yaml")]).trainer.steps
     pid = live_job(run_dir)
     summary = run_dir / "summary.json"
@@ -105,7 +105,7 @@ def format_status(run_dir: Path) -> str:
         if len(evals) > 1:
             progress += f" ({evals[0][1]:.3f} at step {evals[0][0]})"
     lines = [f"{run_dir}: {state}; {progress}"]
-    if (run_dir / STATUS_FILE).is_file():  # Ray mode
+    if ray_mode:
         status = read_status(run_dir)
         age = time.time() - status["updated"]
         lines.append(
@@ -121,7 +121,7 @@ def format_status(run_dir: Path) -> str:
     where = (
         f"logs of every role and the controller: {run_dir}/logs (`streamrl logs {run_dir} ROLE`)"
     )
-    if (run_dir / STATUS_FILE).is_file():
+    if ray_mode:
         where += f"; failures and restarts: {run_dir}/events.jsonl"
     lines.append(where)
     return "\n".join(lines)
@@ -165,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "stop":
-            from streamrl.runtime.control import live_job, request_stop
+            from streamrl.runtime.control import check_run_dir, live_job, request_stop
 
             run_dir = Path(args.run_dir)
-            if (run_dir / "config.yaml").is_file() and live_job(run_dir) is None:
+            check_run_dir(run_dir)
+            if live_job(run_dir) is None:
                 print(f"streamrl: {run_dir} is not running; nothing to stop", file=sys.stderr)
                 return 1
             request_stop(run_dir)

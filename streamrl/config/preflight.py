@@ -75,6 +75,8 @@ FILE_ORDER_KEYS = ("rollout.max_new_tokens", "rollout.vllm_max_model_len", "data
 
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:
     """Refuse resume overrides that change the data order the run's checkpoints count in."""
+    from streamrl.trainer.checkpoint import latest_model_dir
+
     changed = []
     for key in DATA_ORDER_KEYS + (FILE_ORDER_KEYS if saved.data.train_file else ()):
         section, name = key.split(".")
@@ -88,13 +90,6 @@ def check_same_data_order(saved, cfg, run_dir: Path) -> None:
             "it, or start a new run from the trained weights: "
             f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'}"
         )
-
-
-def latest_model_dir(run_dir: Path) -> Path | None:
-    from streamrl.trainer.checkpoint import latest_checkpoint
-
-    checkpoint = latest_checkpoint(run_dir)
-    return checkpoint / "model" if checkpoint is not None else None
 
 
 def finished(run_dir: Path, steps: int) -> bool:

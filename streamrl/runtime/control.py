@@ -91,7 +91,7 @@ def set_replicas(run_dir: Path, role: str, replicas: int) -> None:
         raise ValueError(
             f"replicas must be >= 1, got {replicas} (`streamrl stop RUN_DIR` stops the run)"
         )
-    _check_run_dir(run_dir)
+    check_run_dir(run_dir)
     control = _read(run_dir)
     control.setdefault("replicas", {})[role] = replicas
     _write(run_dir, control)
@@ -104,7 +104,7 @@ def read_requests(run_dir: Path) -> dict[str, int]:
 
 def request_stop(run_dir: Path) -> None:
     """Ask the run in `run_dir` to end, with a checkpoint, after the step it is training."""
-    _check_run_dir(run_dir)
+    check_run_dir(run_dir)
     control = _read(run_dir)
     control["stop"] = True
     _write(run_dir, control)
@@ -148,7 +148,7 @@ def stop_on_interrupt(run_dir: Path) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _check_run_dir(run_dir: Path) -> None:
+def check_run_dir(run_dir: Path) -> None:
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a streamrl run directory (no config.yaml)")
 

@@ -38,7 +38,7 @@ from streamrl.runtime.logs import (
     log_path,
 )
 from streamrl.runtime.roles import base_role
-from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+from streamrl.trainer.checkpoint import latest_checkpoint, latest_model_dir, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
 from streamrl.trainer.sft import cached_policy_dir, ensure_policy_dir
 
@@ -351,5 +351,5 @@ def _summary(
         "role_restarts": role_stats.get("restarts", {}),
         "trainer_restarts": role_stats.get("trainer_restarts", 0),
         # The trained policy as a Hugging Face directory (model, tokenizer, chat template).
-        "final_model_dir": str(last / "model") if (last := latest_checkpoint(run_dir)) else None,
+        "final_model_dir": str(model) if (model := latest_model_dir(run_dir)) else None,
     }

@@ -96,7 +96,6 @@ class RoleActor:
         self.build_error: str | None = None
         self.poll_s = ctx.cfg.runtime.poll_s
         self._stop = threading.Event()
-        self.error: str | None = None
         try:
             self.role = build_role(
                 base_role(name),
@@ -108,11 +107,7 @@ class RoleActor:
                 idle_wait_s=ctx.cfg.runtime.idle_wait_s,
             )
         except RoleNotBuilt as e:
-            # The traceback into the role's log only: the driver prints the one-line reason.
-            if self.log_handler is not None:
-                log_failure(self.log_handler, f"{name}: could not be built", log.name)
-            else:
-                log.exception("%s: could not be built", name)
+            self._log_traceback(f"{name}: could not be built")
             self._flush_log()
             self.build_error = str(e)
             return
@@ -148,13 +143,8 @@ class RoleActor:
 
         try:
             loop_role(self.role, self._stop, self.poll_s, after_step=log_stats)
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
-            # The traceback into the role's log only: the driver prints the one-line reason.
-            if self.log_handler is not None:
-                log_failure(self.log_handler, f"{self.name}: loop failed", log.name)
-            else:
-                log.exception("%s: loop failed", self.name)
+        except Exception:
+            self._log_traceback(f"{self.name}: loop failed")
             raise
         finally:
             close = getattr(self.role, "close", None)
@@ -165,6 +155,14 @@ class RoleActor:
             except Exception as e:  # noqa: BLE001 - a broken role's stats must not hide its error
                 log.info("%s: stopped (no stats: %s)", self.name, e)
             self._flush_log()
+
+    def _log_traceback(self, message: str) -> None:
+        """The exception being handled, into the role's log only: the driver prints the
+        one-line reason."""
+        if self.log_handler is not None:
+            log_failure(self.log_handler, message, log.name)
+        else:
+            log.exception(message)
 
     def _flush_log(self) -> None:
         if self.log_handler is not None:

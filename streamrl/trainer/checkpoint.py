@@ -95,6 +95,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def latest_model_dir(run_dir: Path) -> Path | None:
+    """The latest checkpoint's HF model folder: the trained policy so far."""
+    checkpoint = latest_checkpoint(run_dir)
+    return checkpoint / "model" if checkpoint is not None else None
+
+
 def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / "trainer_state.json").read_text())
 
