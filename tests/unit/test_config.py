@@ -34,6 +34,38 @@ def test_no_arguments_gives_the_defaults() -> None:
     assert cfg.reward.function == "streamrl.reward.rule:arith_exact_match"
 
 
+REPO = Path(__file__).parents[2]
+
+
+def test_the_example_file_is_the_embedded_default() -> None:
+    assert load_config([str(REPO / "examples" / "arith.yaml")]) == Config()
+
+
+def readme_train_commands() -> list[list[str]]:
+    """The arguments of every `streamrl train ...` line of the README's code blocks (comments,
+    line continuations and `--resume RUN_DIR` removed)."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        words = line.split("#")[0].split()
+        if words[:2] == ["streamrl", "train"]:
+            args = words[2:]
+            if args[:1] == ["--resume"]:
+                args = args[2:]
+            commands.append(args)
+    return commands
+
+
+def test_every_train_command_of_the_readme_is_a_valid_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(REPO)  # the README's paths are relative to the repository
+    commands = readme_train_commands()
+    assert len(commands) >= 6 and ["examples/arith.yaml"] == commands[1][:1]
+    for args in commands:
+        load_config(args)  # raises ConfigError naming the key
+
+
 def test_files_and_overrides_apply_left_to_right(tmp_path: Path) -> None:
     first = write_yaml(
         tmp_path / "a.yaml",
