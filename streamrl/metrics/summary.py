@@ -60,7 +60,7 @@ def render_summary_table(summary: Mapping, *, title: str = "run summary") -> Tab
     """A two-column table of whichever summary keys are present, known keys first."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")  # paths whole, wrapped
     known = [key for key in _LABELS if key in summary]
     others = sorted(key for key in summary if key not in _LABELS)
     for key in known + others:

@@ -78,3 +78,11 @@ def test_format_value_edge_cases() -> None:
     assert format_value("resumed", True) == "yes"
     assert format_value("run_name", "gsm8k-qwen") == "gsm8k-qwen"
     assert format_value("num_samples_dropped", {}) == "-"
+
+
+def test_a_long_path_is_printed_whole_on_a_narrow_console() -> None:
+    path = "runs/20261202-012254-3/checkpoints/step-000100/model"
+    buf = io.StringIO()
+    print_summary({"final_model_dir": path}, console=Console(file=buf, width=60))
+    cells = [line.split("│")[2].strip() for line in buf.getvalue().splitlines() if "│" in line]
+    assert path in "".join(cells)
