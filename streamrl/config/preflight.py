@@ -88,8 +88,15 @@ def check_same_data_order(saved, cfg, run_dir: Path) -> None:
             f"--resume {run_dir}: {', '.join(changed)} would change which prompts each batch "
             "holds, so the resumed run would train some twice and skip others. Resume without "
             "it, or start a new run from the trained weights: "
-            f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'}"
+            f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'} "
+            f"algorithm.lr={ended_lr(saved.algorithm):.3g} (about the rate it ended at; a new "
+            "run starts its schedule and optimizer afresh)"
         )
+
+
+def ended_lr(algorithm) -> float:
+    """The learning rate a run with these `algorithm` settings ends at (its schedule's last)."""
+    return algorithm.lr * (algorithm.min_lr_ratio if algorithm.lr_schedule == "cosine" else 1.0)
 
 
 def finished(run_dir: Path, steps: int) -> bool:

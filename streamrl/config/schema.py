@@ -172,6 +172,10 @@ class AlgorithmConfig(Section):
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """Learning-rate schedule over `trainer.steps`: constant, or cosine decay to
     `min_lr_ratio * lr` (settles the policy as it converges)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up to `lr` before the schedule, which then runs over the steps
+    left (a fresh AdamW's first updates are about `lr` per weight whatever the gradient's
+    size). To continue from a trained model, lower `lr` too (README, "Your own model")."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Final learning rate of the cosine schedule, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0)

@@ -208,6 +208,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         temperature=ctx.cfg.rollout.temperature,
         settings=settings,
         lr_schedule=a.lr_schedule,
+        warmup_steps=a.lr_warmup_steps,
         total_steps=t.steps,
         min_lr_ratio=a.min_lr_ratio,
         padding_free=t.padding_free,

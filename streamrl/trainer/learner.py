@@ -46,6 +46,7 @@ class Learner:
         temperature: float,
         settings: LossSettings,
         lr_schedule: str = "constant",
+        warmup_steps: int = 0,
         total_steps: int = 1,
         min_lr_ratio: float = 0.1,
         padding_free: bool = False,
@@ -59,6 +60,7 @@ class Learner:
         self.forward_model = compile_for_training(model) if compile else model
         self.lr = lr
         self.lr_schedule = lr_schedule
+        self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio
         self.pad_token_id = pad_token_id
@@ -75,10 +77,14 @@ class Learner:
 
     def lr_at(self, version: int) -> float:
         """Learning rate of the step that makes version+1: a function of the version alone, so
-        a resumed run continues the schedule with no extra state."""
-        if self.lr_schedule == "constant" or self.total_steps <= 1:
+        a resumed run continues the schedule with no extra state. The first `warmup_steps`
+        steps rise linearly to `lr`; the schedule runs over the steps after them."""
+        if version < self.warmup_steps:
+            return self.lr * (version + 1) / (self.warmup_steps + 1)
+        decay_steps = self.total_steps - self.warmup_steps
+        if self.lr_schedule == "constant" or decay_steps <= 1:
             return self.lr
-        progress = min(version / (self.total_steps - 1), 1.0)
+        progress = min((version - self.warmup_steps) / (decay_steps - 1), 1.0)
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 

@@ -364,7 +364,7 @@ def test_cli_resume_refuses_overrides_that_change_the_data_order(
     err = capsys.readouterr().err
     assert "rollout.batch_prompts 32 -> 16, data.seed 0 -> 3" not in err  # listed in key order
     assert "data.seed 0 -> 3, rollout.batch_prompts 32 -> 16 would change which prompts" in err
-    assert f"model.path={last / 'model'}" in err
+    assert f"model.path={last / 'model'} algorithm.lr=3e-05 (about the rate it ended at" in err
     assert (tmp_path / "config.yaml").read_text() == before
 
 

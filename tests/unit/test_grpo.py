@@ -181,6 +181,32 @@ def make_learner(model_dir: Path, loss_agg: str, *, compile: bool = False) -> Le
     return learner
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_warmup_rises_linearly_then_the_schedule_runs_over_the_steps_left(
+    model_dir: Path, schedule: str
+) -> None:
+    def learner(**kwargs: Any) -> Learner:
+        return Learner(
+            load_causal_lm(model_dir),
+            pad_token_id=PAD_ID,
+            lr=1.0,
+            weight_decay=0.0,
+            grad_clip=None,
+            temperature=1.0,
+            settings=LossSettings(),
+            lr_schedule=schedule,
+            min_lr_ratio=0.1,
+            **kwargs,
+        )
+
+    warm, after = learner(warmup_steps=4, total_steps=14), learner(total_steps=10)
+    assert [warm.lr_at(v) for v in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert [warm.lr_at(v) for v in range(4, 14)] == [after.lr_at(v) for v in range(10)]
+    assert warm.lr_at(4) == 1.0
+    assert warm.lr_at(13) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    assert learner(warmup_steps=20, total_steps=14).lr_at(13) == pytest.approx(14 / 21)
+
+
 def random_rows(num: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     advantages = [0.7, -1.2, 0.0, 0.5, 0.0, -0.3, 1.1]
