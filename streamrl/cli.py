@@ -145,6 +145,11 @@ def format_logs(run_dir: Path, role: str | None, num_lines: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # User code named by a dotted path (`reward.function=my_rewards:score`) is looked up in the
+    # directory the command runs in first, as `python -m` and `python script.py` users expect
+    # (a console script's path holds only its own directory).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

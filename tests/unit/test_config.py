@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -329,6 +331,22 @@ def test_cli_refuses_an_engine_that_is_not_installed(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert "SGLang is not installed here" in refused(tmp_path, capsys, "rollout.engine=sglang")
+
+
+def test_the_console_script_finds_a_reward_module_in_the_current_directory(tmp_path: Path) -> None:
+    (tmp_path / "my_reward.py").write_text(
+        "def score(response, answer, **extra):\n    return 0.0\n"
+    )
+    script = Path(sys.executable).parent / "streamrl"  # not `python -m`: that adds the cwd itself
+    proc = subprocess.run(
+        [str(script), "train", "reward.function=my_reward:score", "model.path=absent"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Past the reward check, stopped at the next one.
+    assert proc.returncode == 2 and "model.path = 'absent' does not exist" in proc.stderr
 
 
 def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
