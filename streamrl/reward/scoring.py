@@ -60,7 +60,8 @@ def to_result(value: Any) -> RewardResult:
 
 
 def score_text(fn: Callable[..., Any], text: str, row: Any) -> RewardResult:
-    """Score in this process (the held-out eval and the sandbox worker call this)."""
+    """Score in this process, with no timeout (the benchmarks' TRL reward calls this; a run
+    scores in the sandbox, `streamrl.reward.sandbox`)."""
     try:
         return to_result(fn(text, row.answer, **row.extra))
     except Exception as e:  # a user's reward may raise anything; it is reported, not hidden

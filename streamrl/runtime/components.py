@@ -5,6 +5,7 @@ Each process builds its own; the same functions serve the sync loop, inline mode
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -18,12 +19,11 @@ from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.onednn import configure_linears, resolve_onednn
 from streamrl.reward.sandbox import SandboxedScorer
-from streamrl.reward.scoring import resolve_callable
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import AdvantageSettings
 from streamrl.trainer.algos.objective import LossSettings
-from streamrl.trainer.evaluate import greedy_accuracy
+from streamrl.trainer.evaluate import EvalResult, greedy_accuracy
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.service import BatchTrainer
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from streamrl.rollout.sglang_engine import SglangEngine
     from streamrl.rollout.vllm_engine import VllmEngine
     from streamrl.trainer.ranks import RankedLearner
+
+log = logging.getLogger(__name__)
 
 
 def set_threads(num: int) -> None:
@@ -283,16 +285,30 @@ class Evaluator:
         self.prompt_ids = [
             encode_prompt(self.tokenizer, r.prompt, chat_template=chat) for r in self.rows
         ]
-        self.reward_fn = resolve_callable(ctx.cfg.reward.function)
+        self.scorer = make_scorer(ctx)  # its worker process starts at the first evaluation
         self.max_new_tokens = ctx.cfg.rollout.max_new_tokens
 
-    def accuracy(self) -> float:
+    def evaluate(self) -> EvalResult:
         self.engine.model.eval()
-        return greedy_accuracy(
+        result = greedy_accuracy(
             self.engine,
             self.tokenizer,
             self.rows,
             self.prompt_ids,
-            self.reward_fn,
+            self.scorer,
             self.max_new_tokens,
         )
+        if result.unscored:
+            counts = ", ".join(f"{status} {n}" for status, n in sorted(result.unscored.items()))
+            log.warning(
+                "held-out evaluation: %d of %d responses not scored (%s; the first: %s); "
+                "counted as not correct",
+                sum(result.unscored.values()),
+                len(self.rows),
+                counts,
+                result.first_reason,
+            )
+        return result
+
+    def accuracy(self) -> float:
+        return self.evaluate().accuracy

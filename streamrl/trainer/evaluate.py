@@ -1,12 +1,31 @@
-"""Held-out evaluation: greedy decoding of the eval prompts, scored by the run's reward rule."""
+"""Held-out evaluation: greedy decoding of the eval prompts, scored by the run's reward function.
+
+The reward is user code seeing model output, here as in training: it runs in the reward sandbox
+(`streamrl.reward.sandbox`), so one that hangs or raises on some response costs that response
+`reward.timeout_s` at most and counts it as not correct, reported, instead of stalling the
+trainer that evaluates.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.data.dataset import PromptRow
-from streamrl.reward.scoring import score_text
+from streamrl.reward.sandbox import ScoreTask
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float
+    """Fraction of the rows whose greedy answer earns reward 1 (exact match for the built-in task)."""
+    unscored: dict[str, int] = field(default_factory=dict)
+    """Responses the reward could not score, by status (`timeout`, `infra_error`): counted as
+    not correct."""
+    first_reason: str = ""
+    """Why the first of them was not scored."""
 
 
 def greedy_accuracy(
@@ -14,17 +33,25 @@ def greedy_accuracy(
     tokenizer,
     rows: Sequence[PromptRow],
     prompt_ids: Sequence[list[int]],
-    reward_fn,
+    scorer,
     max_new_tokens: int,
-) -> float:
-    """Fraction of `rows` whose greedy answer earns reward 1 (exact match for the built-in task)."""
+) -> EvalResult:
+    """Greedy answers to `rows` from `engine`, scored by `scorer` (a `SandboxedScorer`)."""
     requests = [GenerationRequest(f"eval-{i}", ids) for i, ids in enumerate(prompt_ids)]
     results = engine.generate(
         requests, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     )
-    correct = 0
-    for row, res in zip(rows, results, strict=True):
-        text = tokenizer.decode(res.response_ids, skip_special_tokens=True)
-        result = score_text(reward_fn, text, row)
-        correct += int(result.status == "ok" and (result.value or 0.0) >= 1.0)
-    return correct / max(len(rows), 1)
+    tasks = [
+        ScoreTask(
+            tokenizer.decode(res.response_ids, skip_special_tokens=True), row.answer, row.extra
+        )
+        for row, res in zip(rows, results, strict=True)
+    ]
+    scores = scorer.score(tasks)
+    correct = sum(s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores)
+    failed = [s for s in scores if s.status != "ok"]
+    return EvalResult(
+        accuracy=correct / max(len(rows), 1),
+        unscored=dict(Counter(s.status for s in failed)),
+        first_reason=failed[0].reason if failed else "",
+    )

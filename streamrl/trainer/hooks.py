@@ -37,12 +37,15 @@ class TrainerHooks:
         self.stopped = False  # a stop was asked for: the last step is done
 
     def initial_record(self) -> dict[str, Any]:
+        return {"step": self.learner.version, "metrics": self._evaluate(), "trained_ids": []}
+
+    def _evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
-        acc = self.evaluator.accuracy()
+        result = self.evaluator.evaluate()
         return {
-            "step": self.learner.version,
-            "metrics": {"eval/accuracy": acc, "time/eval_s": time.perf_counter() - start},
-            "trained_ids": [],
+            "eval/accuracy": result.accuracy,
+            "eval/unscored": sum(result.unscored.values()),
+            "time/eval_s": time.perf_counter() - start,
         }
 
     def after_step(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +65,7 @@ class TrainerHooks:
             log.info("trainer: stop requested; ending after step %d with a checkpoint", version)
             self.stopped = last = True
         if last or (t.eval_every and version % t.eval_every == 0):
-            start = time.perf_counter()
-            record["metrics"]["eval/accuracy"] = self.evaluator.accuracy()
-            record["metrics"]["time/eval_s"] = time.perf_counter() - start
+            record["metrics"].update(self._evaluate())
         if last or (t.checkpoint_every and version % t.checkpoint_every == 0):
             start = time.perf_counter()
             extra = {"bus": self.bus_state() if self.bus_state else {}}

@@ -1,7 +1,9 @@
 """A reward function that raises or hangs does not stop the run, and no sample is scored 0 for it.
 
 The failing samples are dropped from training with their reason counted (`infra_error` for an
-exception, `timeout` for a hang), in the per-step metrics and in the run summary.
+exception, `timeout` for a hang), in the per-step metrics and in the run summary. The held-out
+evaluation runs the same reward in the sandbox too: a response it cannot score counts as not
+correct and is counted (`eval/unscored`), and a hang costs `reward.timeout_s`, not the hang.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ def test_raising_and_hanging_reward_samples_are_dropped_and_counted(tmp_path, qu
         [
             "train",
             *QUICK,
-            "trainer.steps=3",
-            "trainer.eval_every=0",
+            "trainer.steps=3",  # evaluated before the first step and after the last
             "runtime.mode=inline",
             "reward.function=tests.integration.flaky_reward:flaky",
             "reward.timeout_s=0.5",
@@ -35,7 +36,11 @@ def test_raising_and_hanging_reward_samples_are_dropped_and_counted(tmp_path, qu
     dropped = summary["num_samples_dropped"]
     assert dropped.get("infra_error", 0) > 0
 
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [m for m in records if "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 3]
+    assert all(m["eval/unscored"] > 0 for m in evals)  # the raising reward's, of 32 responses
+    steps = [m for m in records if "train/loss" in m]
     assert len(steps) == 3
     total_rows = 4 * 4
     for m in steps:
