@@ -60,8 +60,8 @@ from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
 log = logging.getLogger(__name__)
 
-# torch threads per role process: one each (two cores: rollout and trainer each get one);
-# the trainer's comes from `trainer.threads`.
+# torch threads of a role process other than the trainer's (`trainer.threads`) and the
+# rollout's (`rollout.threads`): the light roles' work is small.
 ROLE_THREADS = 1
 BUS_THREADS = 64  # the fewest threads of each bus shard actor
 STATS_LOG_S = 30.0  # how often a role writes its counters into its log
@@ -84,7 +84,13 @@ class RoleActor:
         from streamrl.runtime.roles import build_role
 
         self.log_handler = attach_role_log(log_sink, name) if log_sink is not None else None
-        log.info("%s: starting (pid %d, start step %d)", name, os.getpid(), start_step)
+        log.info(
+            "%s: starting (pid %d, start step %d, %d torch threads)",
+            name,
+            os.getpid(),
+            start_step,
+            threads,
+        )
         t0 = time.perf_counter()
         set_threads(threads)
         if base_role(name) == "trainer" and in_place_recovery(ctx.cfg):
@@ -252,7 +258,9 @@ def run_ray(
     subscriber = None
 
     def make_actor(name: str):
-        threads = ctx.cfg.trainer.threads if name == "trainer" else ROLE_THREADS
+        threads = {"trainer": ctx.cfg.trainer.threads, "rollout": ctx.cfg.rollout.threads}.get(
+            base_role(name), ROLE_THREADS
+        )
         if group is not None:  # its bundle (a restarted replica goes back into its own)
             options = group.options(name)
         else:

@@ -64,7 +64,10 @@ def _kill_at_checkpoint(run_dir, args: list[str], step: int) -> None:
 def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
     cache = f"run.cache_dir={quick_cache}"
     reference = tmp_path / "uninterrupted"
-    run_cli(["train", *ARGS, cache, f"run.run_dir={reference}"])
+    # Also: the rollout's torch threads follow `rollout.threads` (the sample ids do not depend
+    # on them).
+    run_cli(["train", *ARGS, cache, "rollout.threads=2", f"run.run_dir={reference}"])
+    assert "start step 0, 2 torch threads)" in (reference / "logs" / "rollout.log").read_text()
 
     crashed = tmp_path / "crashed"
     _kill_at_checkpoint(crashed, [*ARGS, cache], 8)
