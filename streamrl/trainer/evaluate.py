@@ -17,6 +17,10 @@ from streamrl.data.dataset import PromptRow
 from streamrl.reward.sandbox import ScoreTask
 
 
+# Results that are not a score of the response (an invalid output is one: not correct).
+UNSCORED = ("timeout", "infra_error")
+
+
 @dataclass(frozen=True)
 class EvalResult:
     accuracy: float
@@ -49,7 +53,7 @@ def greedy_accuracy(
     ]
     scores = scorer.score(tasks)
     correct = sum(s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores)
-    failed = [s for s in scores if s.status != "ok"]
+    failed = [s for s in scores if s.status in UNSCORED]
     return EvalResult(
         accuracy=correct / max(len(rows), 1),
         unscored=dict(Counter(s.status for s in failed)),
