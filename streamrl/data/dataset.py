@@ -1,7 +1,8 @@
 """Prompt datasets: the built-in task or a user's JSONL file, validated row by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
-keyword arguments). A malformed row in a user file is reported with its file and line and
+keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
+user turn (`streamrl.data.prompts`). A malformed row in a user file is reported with its file and line and
 skipped; a file with no valid row is an error.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.data import arith
+from streamrl.data.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 class PromptRow:
     """One prompt of a dataset and what its reward needs to score answers to it."""
 
-    prompt: str
+    prompt: Prompt
     answer: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -50,13 +52,42 @@ def parse_row(obj: Any) -> PromptRow:
     missing = [k for k in ("prompt", "answer") if k not in obj]
     if missing:
         raise ValueError(f"missing key(s) {missing}; a row needs 'prompt' (str) and 'answer' (str)")
-    prompt, answer = obj["prompt"], obj["answer"]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"'prompt' must be a non-empty string, got {prompt!r}")
+    prompt, answer = parse_prompt(obj["prompt"]), obj["answer"]
     if not isinstance(answer, (str, int, float)):
         raise ValueError(f"'answer' must be a string or number, got {type(answer).__name__}")
     extra = {k: v for k, v in obj.items() if k not in ("prompt", "answer")}
     return PromptRow(prompt, str(answer), extra)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def parse_prompt(prompt: Any) -> Prompt:
+    """A non-empty text, or a conversation (a one-message user conversation becomes its text:
+    the two encode alike)."""
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(
+            f"'prompt' must be a non-empty string or a list of chat messages, got {prompt!r}"[:300]
+        )
+    for i, message in enumerate(prompt):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"'prompt' message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
+                f'"content": str}}, got {message!r}'[:300]
+            )
+    if prompt[-1]["role"] != "user":
+        raise ValueError(
+            f"a conversation 'prompt' must end with a user message, not {prompt[-1]['role']!r}"
+        )
+    if len(prompt) == 1 and prompt[0]["content"]:
+        return prompt[0]["content"]
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
 MAX_WARNINGS = 10  # malformed rows reported one by one; the rest are counted

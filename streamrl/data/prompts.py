@@ -1,6 +1,15 @@
-"""Turning prompt text into the token ids an engine receives (through the chat template)."""
+"""Turning a prompt into the token ids an engine receives (through the chat template).
+
+A prompt is a text, sent as one user turn, or a conversation: a list of chat messages
+(`{"role": "system" | "user" | "assistant", "content": str}`) ending with a user turn, the
+conversational format of TRL's and veRL's datasets (a system prompt, few-shot turns).
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+Prompt = str | list[dict[str, Any]]
 
 NO_CHAT_TEMPLATE = (
     "the model's tokenizer has no chat template: set data.chat_template=false to feed each "
@@ -14,17 +23,26 @@ def has_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def encode_prompt(tokenizer, text: str, *, chat_template: bool = True) -> list[int]:
-    """Token ids of a one-turn user message followed by the opening of the assistant turn, or
-    with `chat_template=False` of the text as it is (with the tokenizer's own special tokens,
-    such as a BOS): for base models, and prompts that carry their own format."""
+CONVERSATION_NEEDS_TEMPLATE = (
+    "a conversation prompt (a list of chat messages) goes through the model's chat template: "
+    "it cannot be used with data.chat_template=false"
+)
+
+
+def encode_prompt(tokenizer, prompt: Prompt, *, chat_template: bool = True) -> list[int]:
+    """Token ids of the conversation (a text: one user turn) followed by the opening of the
+    assistant turn, or with `chat_template=False` of the text as it is (with the tokenizer's
+    own special tokens, such as a BOS): for base models, and prompts that carry their own
+    format."""
+    conversation = isinstance(prompt, list)
     if not chat_template:
-        return list(tokenizer(text)["input_ids"])
+        if conversation:
+            raise ValueError(CONVERSATION_NEEDS_TEMPLATE)
+        return list(tokenizer(prompt)["input_ids"])
     if not has_chat_template(tokenizer):
         raise ValueError(NO_CHAT_TEMPLATE)
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
+    messages = prompt if conversation else [{"role": "user", "content": prompt}]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
     return list(ids)
 
@@ -40,21 +58,30 @@ TEMPLATE_SLACK = 8
 
 
 def prompt_lengths_over(
-    tokenizer, texts: list[str], limit: int, *, chat_template: bool = True
+    tokenizer, prompts: list[Prompt], limit: int, *, chat_template: bool = True
 ) -> dict[int, int]:
-    """`{index: length}` of the `texts` whose encoded prompt is longer than `limit` tokens.
+    """`{index: length}` of the `prompts` whose encoding is longer than `limit` tokens.
 
-    One batched tokenization of the raw texts gives every length up to the template's own
-    tokens; only the prompts near `limit` go through the chat template one by one, so a file of
-    100,000 prompts takes seconds, not minutes."""
-    if not texts:
+    One batched tokenization of the raw texts (every message's, for a conversation) gives every
+    length up to the template's own tokens, which a turn adds at most `overhead +
+    TEMPLATE_SLACK` of; only the prompts near `limit` go through the chat template one by one,
+    so a file of 100,000 prompts takes seconds, not minutes."""
+    if not prompts:
         return {}
+    texts, owner = [], []  # every text to measure, and the index of the prompt it belongs to
+    for i, prompt in enumerate(prompts):
+        parts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
+        texts += parts
+        owner += [i] * len(parts)
     raw = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    overhead = len(encode_prompt(tokenizer, "", chat_template=chat_template))
+    overhead = len(encode_prompt(tokenizer, "", chat_template=chat_template)) + TEMPLATE_SLACK
+    bound = [0] * len(prompts)
+    for i, ids in zip(owner, raw, strict=True):
+        bound[i] += len(ids) + overhead
     over = {}
-    for i, ids in enumerate(raw):
-        if len(ids) + overhead + TEMPLATE_SLACK > limit:
-            length = len(encode_prompt(tokenizer, texts[i], chat_template=chat_template))
+    for i, most in enumerate(bound):
+        if most > limit:
+            length = len(encode_prompt(tokenizer, prompts[i], chat_template=chat_template))
             if length > limit:
                 over[i] = length
     return over

@@ -181,6 +181,82 @@ def test_lengths_over_a_limit_are_the_exact_encoded_lengths(texts: list[str]) ->
         assert over == {i: n for i, n in exact.items() if n > limit}
 
 
+CONVERSATION = [
+    {"role": "system", "content": "answer with the sum"},
+    {"role": "user", "content": "1+2="},
+    {"role": "assistant", "content": "3"},
+    {"role": "user", "content": "4+5="},
+]
+
+
+def test_a_prompt_may_be_a_conversation(tmp_path: Path) -> None:
+    rows = [
+        {"prompt": CONVERSATION, "answer": 9},
+        {"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"},  # as its text
+        {"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"prompt": [{"role": "tool", "content": "x"}], "answer": "1"},
+        {"prompt": [{"role": "user"}], "answer": "1"},
+        {"prompt": [], "answer": "1"},
+    ]
+    rows[2]["answer"] = "1"
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = load_jsonl(path)
+    assert [row.prompt for row in report.rows] == [CONVERSATION, "2+2="]
+    assert report.num_skipped == 4
+    assert "must end with a user message, not 'assistant'" in report.problems[0]
+    assert 'message 0 must be {"role": one of system, user, assistant' in report.problems[1]
+    assert "'role': 'user'}" in report.problems[2]
+    assert "non-empty string or a list of chat messages, got []" in report.problems[3]
+
+
+def test_a_conversation_is_encoded_through_the_chat_template(tokenizer) -> None:
+    ids = encode_prompt(tokenizer, CONVERSATION)
+    expected = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert tokenizer.decode(ids).endswith("<|user|>4+5=<|end|><|assistant|>")
+    with pytest.raises(ValueError, match="cannot be used with data.chat_template=false"):
+        encode_prompt(tokenizer, CONVERSATION, chat_template=False)
+
+
+def test_conversations_need_the_chat_template(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": CONVERSATION, "answer": "9"}) + "\n" * 2)
+    path.write_text(path.read_text() + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    cfg = load_config([f"data.train_file={path}", f"data.eval_file={path}"])
+    assert load_datasets(cfg)[0][0].prompt == CONVERSATION
+    plain = load_config([f"data.train_file={path}", "data.chat_template=false"])
+    with pytest.raises(ValueError, match="1 row"):
+        load_datasets(plain)
+
+
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["system", "user", "assistant"]), st.text("0123+=ab", max_size=30)
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_lengths_of_conversations_over_a_limit_are_the_exact_encoded_lengths(turns) -> None:
+    tokenizer = build_tokenizer()
+    prompts = [
+        [{"role": role, "content": text} for role, text in conversation]
+        + [{"role": "user", "content": "1+1="}]
+        for conversation in turns
+    ]
+    prompts.append("a text among them")
+    exact = {i: len(encode_prompt(tokenizer, p)) for i, p in enumerate(prompts)}
+    for limit in (5, 20, 60):
+        over = prompt_lengths_over(tokenizer, prompts, limit)
+        assert over == {i: n for i, n in exact.items() if n > limit}
+
+
 def test_load_jsonl_of_a_missing_file_raises(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_jsonl(tmp_path / "missing.jsonl")
