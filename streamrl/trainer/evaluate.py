@@ -16,7 +16,6 @@ from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.data.dataset import PromptRow
 from streamrl.reward.sandbox import ScoreTask
 
-
 # Results that are not a score of the response (an invalid output is one: not correct).
 UNSCORED = ("timeout", "infra_error")
 
