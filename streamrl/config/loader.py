@@ -28,10 +28,25 @@ def load_config(args: Sequence[str] = ()) -> Config:
         if "=" in arg:
             key, _, raw = arg.partition("=")
             _check_key(key.strip())
-            _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+            _set_dotted(data, key.strip(), parse_value(raw))
         else:
             _deep_merge(data, _read_yaml(Path(arg)))
     return validate(data)
+
+
+def parse_value(raw: str) -> Any:
+    """An override's value: YAML (numbers, true/false, an empty value for None, flow-style
+    `[lists]` and `{mappings}`), except that text YAML cannot read, or would read as a mapping
+    without braces (`Q: {prompt} A:`), is the text itself."""
+    if not raw.strip():
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        return raw
+    return value
 
 
 def validate(data: dict[str, Any]) -> Config:

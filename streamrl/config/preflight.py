@@ -70,7 +70,13 @@ DATA_ORDER_KEYS = (
 
 
 # With a data file, also which of its rows are too long to keep (streamrl.runtime.context).
-FILE_ORDER_KEYS = ("rollout.max_new_tokens", "rollout.vllm_max_model_len", "data.chat_template")
+FILE_ORDER_KEYS = (
+    "rollout.max_new_tokens",
+    "rollout.vllm_max_model_len",
+    "data.chat_template",
+    "data.prompt_template",
+    "data.system_prompt",
+)
 
 
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:

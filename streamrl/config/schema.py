@@ -70,7 +70,25 @@ class DataConfig(Section):
     chat_template: bool = True
     """Encode each prompt as a one-turn user message through the tokenizer's chat template,
     with the assistant turn opened; false feeds the prompt text as it is (base models without
-    a chat template: write the format you want into the prompts)."""
+    a chat template: write the format you want into the prompts, or `prompt_template`)."""
+    prompt_template: str | None = None
+    """A format for every prompt's text, with `{prompt}` where the text goes (a conversation's
+    last user message); for example an R1-Zero style instruction around the question for a
+    base model with chat_template=false. Other braces are kept as they are."""
+    system_prompt: str | None = None
+    """A system message put before every prompt (through the chat template, so not with
+    chat_template=false); a conversation with a system message of its own keeps that one."""
+
+    @model_validator(mode="after")
+    def _check_formats(self) -> DataConfig:
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            raise ValueError("prompt_template needs '{prompt}' where each prompt's text goes")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "system_prompt needs chat_template=true (a system message is a chat turn); "
+                "without a chat template, put it into prompt_template"
+            )
+        return self
 
 
 class RolloutConfig(Section):

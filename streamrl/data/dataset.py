@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,30 @@ def parse_row(obj: Any) -> PromptRow:
 
 
 ROLES = ("system", "user", "assistant")
+
+
+def format_prompts(
+    rows: list[PromptRow], *, template: str | None, system: str | None
+) -> list[PromptRow]:
+    """`rows` with `template` around each prompt's text (a conversation's last user message;
+    `{prompt}` marks the spot) and `system` as the first message where there is none."""
+    if template is None and system is None:
+        return rows
+    out = []
+    for row in rows:
+        messages = (
+            [dict(m) for m in row.prompt]
+            if isinstance(row.prompt, list)
+            else [{"role": "user", "content": row.prompt}]
+        )
+        if template is not None:
+            last = messages[-1]  # a user message (`parse_prompt`)
+            last["content"] = template.replace("{prompt}", last["content"])
+        if system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        prompt = messages[0]["content"] if len(messages) == 1 else messages
+        out.append(replace(row, prompt=prompt))
+    return out
 
 
 def parse_prompt(prompt: Any) -> Prompt:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError
 from streamrl.config.schema import Config
-from streamrl.data.dataset import PromptRow, builtin_rows, load_jsonl
+from streamrl.data.dataset import PromptRow, builtin_rows, format_prompts, load_jsonl
 from streamrl.data.prompts import CONVERSATION_NEEDS_TEMPLATE
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,10 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
         )
     else:
         evals = builtin_rows(d.num_eval, digits=d.digits, seed=d.seed, split="eval")
+    train, evals = (
+        format_prompts(rows, template=d.prompt_template, system=d.system_prompt)
+        for rows in (train, evals)
+    )
     if not d.chat_template:
         conversations = sum(isinstance(row.prompt, list) for row in train + evals)
         if conversations:

@@ -105,6 +105,14 @@ def test_override_strings_are_coerced_to_field_types() -> None:
     )
 
 
+def test_an_override_value_yaml_cannot_read_as_a_scalar_is_the_text_itself() -> None:
+    template = "Q: {prompt} A: [think] then answer"  # not YAML; `a: b` reads as a mapping
+    cfg = load_config([f"data.prompt_template={template}", "data.system_prompt=Say: hi"])
+    assert cfg.data.prompt_template == template and cfg.data.system_prompt == "Say: hi"
+    kwargs = load_config(["rollout.vllm_engine_kwargs={enable_chunked_prefill: false}"])
+    assert kwargs.rollout.vllm_engine_kwargs == {"enable_chunked_prefill": False}
+
+
 def test_empty_override_value_means_none() -> None:
     assert load_config(["model.path=/x", "model.path="]).model.path is None
 

@@ -230,6 +230,40 @@ def test_conversations_need_the_chat_template(tmp_path: Path) -> None:
         load_datasets(plain)
 
 
+def test_a_prompt_template_and_a_system_prompt_format_every_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": CONVERSATION, "answer": "9"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    template = "Q: {prompt} A: \\boxed{}"  # other braces stay as they are
+    cfg = load_config(
+        [f"data.train_file={path}", f"data.eval_file={path}", f"data.prompt_template={template}"]
+    )
+    train, evals, _ = load_datasets(cfg)
+    assert train == evals and train[0].prompt == "Q: 1+2= A: \\boxed{}"
+    assert train[1].prompt == [
+        *CONVERSATION[:3],
+        {"role": "user", "content": "Q: 4+5= A: \\boxed{}"},
+    ]
+    cfg = load_config(
+        [f"data.train_file={path}", f"data.eval_file={path}", "data.system_prompt=be brief"]
+    )
+    train, _, _ = load_datasets(cfg)
+    assert train[0].prompt == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+2="},
+    ]
+    assert train[1].prompt == CONVERSATION  # its own system message stays
+    builtin = load_datasets(load_config(["data.prompt_template=>{prompt}<"]))
+    assert all(row.prompt.startswith(">") and row.prompt.endswith("<") for row in builtin[1])
+
+
+def test_prompt_formats_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ConfigError, match="prompt_template needs '{prompt}'"):
+        load_config(["data.prompt_template=Q: A:"])
+    with pytest.raises(ConfigError, match="system_prompt needs chat_template=true"):
+        load_config(["data.system_prompt=hi", "data.chat_template=false"])
+
+
 @given(
     st.lists(
         st.lists(
