@@ -5,6 +5,7 @@
     streamrl logs RUN_DIR [ROLE] [-n N]
     streamrl scale RUN_DIR ROLE=N
     streamrl stop RUN_DIR
+    streamrl eval RUN_DIR|MODEL_DIR [key=value ...]
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -59,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
         "(`streamrl train --resume RUN_DIR` continues it)",
     )
     stop.add_argument("run_dir", metavar="RUN_DIR")
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out greedy accuracy of a run's trained model (as the run measured it) or "
+        "of any model directory",
+    )
+    evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR")
+    evaluate.add_argument(
+        "args", nargs="*", help="dotted key=value overrides (data.eval_file=..., data.num_eval=N)"
+    )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -188,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "logs":
             print(format_logs(Path(args.run_dir), args.role, args.n))
+            return 0
+        if args.command == "eval":
+            from streamrl.runtime.evaluation import evaluate
+
+            print(evaluate(Path(args.target), list(args.args)).report())
             return 0
         resume = Path(args.resume) if args.resume else None
         overrides = list(args.args)

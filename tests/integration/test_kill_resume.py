@@ -68,6 +68,10 @@ def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
     # on them).
     run_cli(["train", *ARGS, cache, "rollout.threads=2", f"run.run_dir={reference}"])
     assert "start step 0, 2 torch threads)" in (reference / "logs" / "rollout.log").read_text()
+    # `streamrl eval` of the finished run measures what the run measured last.
+    final = json.loads((reference / "summary.json").read_text())["final_eval_accuracy"]
+    said = run_cli(["eval", str(reference)]).stdout
+    assert f"step-000016/model: held-out accuracy {final:.4f} (" in said, said
 
     crashed = tmp_path / "crashed"
     _kill_at_checkpoint(crashed, [*ARGS, cache], 8)

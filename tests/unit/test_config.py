@@ -357,6 +357,16 @@ def test_the_console_script_finds_a_reward_module_in_the_current_directory(tmp_p
     assert proc.returncode == 2 and "model.path = 'absent' does not exist" in proc.stderr
 
 
+def test_cli_eval_says_what_it_cannot_evaluate(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "neither a run directory (config.yaml) nor a model directory" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text(dump_yaml(load_config([])))
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "has no checkpoint yet: nothing trained to evaluate" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,72 @@
+"""`streamrl eval`: held-out greedy accuracy of a model, measured as a run measures it.
+
+The target is a run directory (its latest checkpoint's model, with the run's own config: the
+same held-out prompts, reward and response length, so a finished run's figure is its
+`final_eval_accuracy`) or any local model directory (with the embedded defaults). Overrides
+change what is measured: `data.eval_file=other.jsonl`, `data.num_eval=1000`,
+`reward.function=...`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrl.config import Config, ConfigError, load_config
+from streamrl.config.preflight import check_paths
+from streamrl.trainer.evaluate import EvalResult
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    model_dir: Path
+    cfg: Config
+    num_prompts: int
+    result: EvalResult
+
+    def report(self) -> str:
+        r = self.result
+        line = (
+            f"{self.model_dir}: held-out accuracy {r.accuracy:.4f} "
+            f"({round(r.accuracy * self.num_prompts)} of {self.num_prompts} prompts, greedy, "
+            f"at most {self.cfg.rollout.max_new_tokens} new tokens, reward "
+            f"{self.cfg.reward.function})"
+        )
+        if r.unscored:
+            counts = ", ".join(f"{status} {n}" for status, n in sorted(r.unscored.items()))
+            line += f"; not scored, counted as not correct: {counts} (the first: {r.first_reason})"
+        return line
+
+
+def target_config(target: Path, overrides: list[str]) -> tuple[Config, Path]:
+    """The config and model directory `streamrl eval TARGET overrides` measures."""
+    from streamrl.trainer.checkpoint import latest_model_dir
+
+    if (target / "config.yaml").is_file():  # a run directory
+        model_dir = latest_model_dir(target)
+        if model_dir is None:
+            raise ConfigError(f"{target} has no checkpoint yet: nothing trained to evaluate")
+        cfg = load_config([str(target / "config.yaml"), *overrides])
+        return cfg, model_dir
+    if (target / "config.json").is_file():  # a model directory
+        return load_config([*overrides, f"model.path={target}"]), target
+    raise ConfigError(
+        f"{target} is neither a run directory (config.yaml) nor a model directory (config.json)"
+    )
+
+
+def evaluate(target: Path, overrides: list[str]) -> Evaluation:
+    from streamrl.runtime.components import Evaluator, load_policy_model
+    from streamrl.runtime.context import prepare
+
+    cfg, model_dir = target_config(target, overrides)
+    check_paths(cfg)
+    with tempfile.TemporaryDirectory(prefix="streamrl-eval-") as scratch:
+        ctx = prepare(cfg, model_dir, Path(scratch))
+        evaluator = Evaluator(ctx, load_policy_model(ctx, "rollout.device"))
+        try:
+            result = evaluator.evaluate()
+        finally:
+            evaluator.scorer.close()
+    return Evaluation(model_dir, cfg, len(ctx.eval_rows), result)
