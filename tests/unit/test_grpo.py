@@ -165,7 +165,9 @@ PAD_ID = 0
 CONSTANT = 6.0  # the constant normaliser per sequence (Dr. GRPO's max length)
 
 
-def make_learner(model_dir: Path, loss_agg: str, *, compile: bool = False) -> Learner:
+def make_learner(
+    model_dir: Path, loss_agg: str = "token_mean", *, compile: bool = False, **schedule: Any
+) -> Learner:
     learner = Learner(
         load_causal_lm(model_dir),
         pad_token_id=PAD_ID,
@@ -175,6 +177,7 @@ def make_learner(model_dir: Path, loss_agg: str, *, compile: bool = False) -> Le
         temperature=1.0,
         settings=LossSettings(loss_agg=loss_agg, loss_agg_constant=CONSTANT),
         compile=compile,
+        **schedule,
     )
     # Plain SGD: the update is the normalised gradient itself (Adam would hide its scale).
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)
@@ -185,19 +188,8 @@ def make_learner(model_dir: Path, loss_agg: str, *, compile: bool = False) -> Le
 def test_warmup_rises_linearly_then_the_schedule_runs_over_the_steps_left(
     model_dir: Path, schedule: str
 ) -> None:
-    def learner(**kwargs: Any) -> Learner:
-        return Learner(
-            load_causal_lm(model_dir),
-            pad_token_id=PAD_ID,
-            lr=1.0,
-            weight_decay=0.0,
-            grad_clip=None,
-            temperature=1.0,
-            settings=LossSettings(),
-            lr_schedule=schedule,
-            min_lr_ratio=0.1,
-            **kwargs,
-        )
+    def learner(**steps: int) -> Learner:
+        return make_learner(model_dir, lr_schedule=schedule, min_lr_ratio=0.1, **steps)
 
     warm, after = learner(warmup_steps=4, total_steps=14), learner(total_steps=10)
     assert [warm.lr_at(v) for v in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
