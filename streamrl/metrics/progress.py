@@ -72,6 +72,9 @@ class RunProgress:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._start_time: float | None = None
+        # The first step done here and when: the ETA's rate is measured from it, so that the
+        # start-up before it (roles starting, the first evaluation) does not inflate the rate.
+        self._first: tuple[int, float] | None = None
         self._plain_every = max(1, math.ceil(total_steps / _PLAIN_REPORTS))
         self._next_plain_step = start_step + 1
 
@@ -109,6 +112,9 @@ class RunProgress:
             return
         if self._start_time is None:
             raise RuntimeError("RunProgress.update called before start(); use it as `with`")
+        now = time.monotonic()
+        if self._first is None and step > self.start_step:
+            self._first = (step, now)
         for key, _, _ in _LIVE_FIELDS:
             value = metrics.get(key)
             if isinstance(value, Real) and not isinstance(value, bool):
@@ -117,7 +123,7 @@ class RunProgress:
             self._progress.stats_line = self._stats_text()
             self._progress.update(self._task, completed=step)
         elif step >= self._next_plain_step or step >= self.total_steps:
-            self._console.print(self._plain_line(step), highlight=False, soft_wrap=True)
+            self._console.print(self._plain_line(step, now), highlight=False, soft_wrap=True)
             self._next_plain_step = (step // self._plain_every + 1) * self._plain_every
 
     def _stats_text(self) -> str:
@@ -127,16 +133,15 @@ class RunProgress:
             if key in self._values
         )
 
-    def _plain_line(self, step: int) -> str:
+    def _plain_line(self, step: int, now: float) -> str:
         assert self._start_time is not None
-        elapsed_s = time.monotonic() - self._start_time
-        steps_done_here = step - self.start_step
         parts = [
             f"{self.description} {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%)",
-            f"elapsed {_clock(elapsed_s)}",
+            f"elapsed {_clock(now - self._start_time)}",
         ]
-        if steps_done_here > 0 and step < self.total_steps:
-            eta_s = elapsed_s / steps_done_here * (self.total_steps - step)
+        if self._first is not None and self._first[0] < step < self.total_steps:
+            first_step, first_time = self._first
+            eta_s = (now - first_time) / (step - first_step) * (self.total_steps - step)
             parts.append(f"eta {_clock(eta_s)}")
         stats = self._stats_text()
         if stats:

@@ -42,6 +42,20 @@ def test_plain_mode_prints_about_every_ten_percent() -> None:
     assert "\x1b[" not in out.getvalue()
 
 
+def test_the_eta_leaves_out_the_start_up_before_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = iter([0.0, 60.0, 69.0])  # start; step 1 after a minute; then 1 s a step
+    monkeypatch.setattr("streamrl.metrics.progress.time.monotonic", lambda: next(clock))
+    console, out = _console(terminal=False)
+    with RunProgress(100, console=console) as progress:
+        progress.update(1, {})  # the first step: nothing yet to measure a rate from
+        progress.update(10, {})
+    first, tenth = out.getvalue().splitlines()
+    assert first == "train 1/100 (1%) | elapsed 1:00"
+    assert tenth == "train 10/100 (10%) | elapsed 1:09 | eta 1:30"  # 9 steps in 9 s, 90 to go
+
+
 def test_default_console_on_a_pipe_prints_plain_lines() -> None:
     code = (
         "from streamrl.metrics import RunProgress\n"
