@@ -5,7 +5,7 @@
     streamrl logs RUN_DIR [ROLE] [-n N]
     streamrl scale RUN_DIR ROLE=N
     streamrl stop RUN_DIR
-    streamrl eval RUN_DIR|MODEL_DIR [key=value ...]
+    streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N]
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR")
     evaluate.add_argument(
         "args", nargs="*", help="dotted key=value overrides (data.eval_file=..., data.num_eval=N)"
+    )
+    evaluate.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the first N prompts answered wrong: response and reward verdict",
     )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -202,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from streamrl.runtime.evaluation import evaluate
 
-            print(evaluate(Path(args.target), list(args.args)).report())
+            evaluation = evaluate(Path(args.target), list(args.args))
+            if args.show:
+                print(evaluation.misses(args.show))
+            print(evaluation.report())
             return 0
         resume = Path(args.resume) if args.resume else None
         overrides = list(args.args)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.config.preflight import check_paths
+from streamrl.data.dataset import PromptRow
 from streamrl.trainer.evaluate import EvalResult
 
 
@@ -22,8 +23,26 @@ from streamrl.trainer.evaluate import EvalResult
 class Evaluation:
     model_dir: Path
     cfg: Config
-    num_prompts: int
+    rows: list[PromptRow]
     result: EvalResult
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.rows)
+
+    def misses(self, num: int) -> str:
+        """The first `num` held-out prompts answered wrong (or not scored): prompt, reference
+        answer, the model's response and the reward's verdict."""
+        blocks = []
+        for index, response, score in self.result.misses[:num]:
+            row = self.rows[index]
+            verdict = f"{score.value}" if score.status == "ok" else score.status
+            blocks.append(
+                f"[{index}] prompt: {row.prompt!r}\n    answer: {row.answer!r}\n"
+                f"    response: {response!r}\n    reward: {verdict}"
+                + (f" ({score.reason})" if score.reason else "")
+            )
+        return "\n".join(blocks)
 
     def report(self) -> str:
         r = self.result
@@ -69,4 +88,4 @@ def evaluate(target: Path, overrides: list[str]) -> Evaluation:
             result = evaluator.evaluate()
         finally:
             evaluator.scorer.close()
-    return Evaluation(model_dir, cfg, len(ctx.eval_rows), result)
+    return Evaluation(model_dir, cfg, ctx.eval_rows, result)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
+from streamrl.api.reward import RewardResult
 from streamrl.data.dataset import PromptRow
 from streamrl.reward.sandbox import ScoreTask
 
@@ -29,6 +30,9 @@ class EvalResult:
     not correct."""
     first_reason: str = ""
     """Why the first of them was not scored."""
+    misses: list[tuple[int, str, RewardResult]] = field(default_factory=list)
+    """(row index, response, reward result) of every response not counted correct, in row
+    order: what `streamrl eval --show N` prints."""
 
 
 def greedy_accuracy(
@@ -51,10 +55,15 @@ def greedy_accuracy(
         for row, res in zip(rows, results, strict=True)
     ]
     scores = scorer.score(tasks)
-    correct = sum(s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores)
+    hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
     failed = [s for s in scores if s.status in UNSCORED]
     return EvalResult(
-        accuracy=correct / max(len(rows), 1),
+        accuracy=sum(hit) / max(len(rows), 1),
         unscored=dict(Counter(s.status for s in failed)),
         first_reason=failed[0].reason if failed else "",
+        misses=[
+            (i, task.response, score)
+            for i, (task, score, ok) in enumerate(zip(tasks, scores, hit, strict=True))
+            if not ok
+        ],
     )

@@ -70,8 +70,10 @@ def test_sigkill_then_resume_trains_each_sample_once(tmp_path, quick_cache):
     assert "start step 0, 2 torch threads)" in (reference / "logs" / "rollout.log").read_text()
     # `streamrl eval` of the finished run measures what the run measured last.
     final = json.loads((reference / "summary.json").read_text())["final_eval_accuracy"]
-    said = run_cli(["eval", str(reference)]).stdout
+    said = run_cli(["eval", str(reference), "--show", "1"]).stdout
     assert f"step-000016/model: held-out accuracy {final:.4f} (" in said, said
+    if final < 1:  # and, asked to, shows a prompt it answered wrong
+        assert said.startswith("[") and "\n    response: " in said, said
 
     crashed = tmp_path / "crashed"
     _kill_at_checkpoint(crashed, [*ARGS, cache], 8)
