@@ -76,6 +76,8 @@ FILE_ORDER_KEYS = (
     "data.chat_template",
     "data.prompt_template",
     "data.system_prompt",
+    "data.prompt_key",
+    "data.answer_key",
 )
 
 

@@ -59,10 +59,14 @@ class DataConfig(Section):
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
-    """JSONL file of {"prompt", "answer"} rows; None uses the built-in task."""
+    """JSONL (or `.parquet`) file of {"prompt", "answer"} rows; None uses the built-in task."""
     eval_file: str | None = None
-    """JSONL file of held-out rows. None: with `train_file`, rows held out from it
+    """File of held-out rows, as `train_file`. None: with `train_file`, rows held out from it
     (min(num_eval, a tenth of it), picked by `seed`); else the built-in task's held-out split."""
+    prompt_key: str = "prompt"
+    """Key of a row's prompt in the data files (dotted into nested records: `a.b`)."""
+    answer_key: str = "answer"
+    """Key of a row's reference answer (veRL's Parquet files: `reward_model.ground_truth`)."""
     num_eval: int = Field(256, ge=1)
     """Held-out prompts scored by greedy decoding at each evaluation."""
     seed: int = 0

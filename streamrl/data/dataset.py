@@ -1,8 +1,10 @@
-"""Prompt datasets: the built-in task or a user's JSONL file, validated row by row.
+"""Prompt datasets: the built-in task or a user's file (JSONL or Parquet), validated row by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
-user turn (`streamrl.data.prompts`). A malformed row in a user file is reported with its file and line and
+user turn (`streamrl.data.prompts`). Rows that keep them under other keys name them with
+`data.prompt_key` and `data.answer_key`, dotted into nested records (veRL's Parquet files:
+`prompt` and `reward_model.ground_truth`). A malformed row in a user file is reported with its file and line and
 skipped; a file with no valid row is an error.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,19 +46,39 @@ def builtin_rows(num: int, *, digits: int, seed: int, split: str) -> list[Prompt
     ]
 
 
-def parse_row(obj: Any) -> PromptRow:
-    """Validate one decoded JSON row; raise ValueError saying what is wrong."""
+_MISSING = object()
+
+
+def _lookup(obj: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return _MISSING
+        obj = obj[part]
+    return obj
+
+
+def parse_row(obj: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> PromptRow:
+    """Validate one decoded row; raise ValueError saying what is wrong."""
     if not isinstance(obj, dict):
         raise ValueError(
-            f"expected a JSON object with 'prompt' and 'answer', got {type(obj).__name__}"
+            f"expected an object with {prompt_key!r} and {answer_key!r}, got {type(obj).__name__}"
         )
-    missing = [k for k in ("prompt", "answer") if k not in obj]
+    prompt, answer = _lookup(obj, prompt_key), _lookup(obj, answer_key)
+    pairs = ((prompt_key, prompt), (answer_key, answer))
+    missing = [k for k, v in pairs if v is _MISSING or v is None]  # Parquet: None when absent
     if missing:
-        raise ValueError(f"missing key(s) {missing}; a row needs 'prompt' (str) and 'answer' (str)")
-    prompt, answer = parse_prompt(obj["prompt"]), obj["answer"]
+        raise ValueError(
+            f"missing key(s) {missing}; a row needs {prompt_key!r} and {answer_key!r} "
+            "(data.prompt_key and data.answer_key name others, dotted into nested records)"
+        )
+    prompt = parse_prompt(prompt)
     if not isinstance(answer, (str, int, float)):
-        raise ValueError(f"'answer' must be a string or number, got {type(answer).__name__}")
-    extra = {k: v for k, v in obj.items() if k not in ("prompt", "answer")}
+        raise ValueError(f"{answer_key!r} must be a string or number, got {type(answer).__name__}")
+    extra = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
+    try:  # the reward sandbox receives them as JSON
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a value the reward function would get is not JSON: {e}") from None
     return PromptRow(prompt, str(answer), extra)
 
 
@@ -117,24 +140,26 @@ def parse_prompt(prompt: Any) -> Prompt:
 MAX_WARNINGS = 10  # malformed rows reported one by one; the rest are counted
 
 
-def load_jsonl(path: str | Path) -> LoadReport:
-    """Read a JSONL prompt file, skipping (and reporting) malformed lines."""
+def load_rows(
+    path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> LoadReport:
+    """Read a prompt file, JSONL or Parquet (by its suffix), skipping (and reporting)
+    malformed rows, each named by its line (JSONL) or row number (Parquet, from 1)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     report = LoadReport(rows=[])
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                report.rows.append(parse_row(json.loads(line)))
-            except (json.JSONDecodeError, ValueError) as e:
-                report.num_skipped += 1
-                msg = f"{path}:{line_no}: skipped malformed row: {e}"
-                report.problems.append(msg)
-                if report.num_skipped <= MAX_WARNINGS:
-                    log.warning(msg)
+    for where, obj in _parquet_records(path) if path.suffix == ".parquet" else _jsonl_records(path):
+        try:
+            if isinstance(obj, json.JSONDecodeError):
+                raise obj
+            report.rows.append(parse_row(obj, prompt_key, answer_key))
+        except (json.JSONDecodeError, ValueError) as e:
+            report.num_skipped += 1
+            msg = f"{path}:{where}: skipped malformed row: {e}"
+            report.problems.append(msg)
+            if report.num_skipped <= MAX_WARNINGS:
+                log.warning(msg)
     if report.num_skipped > MAX_WARNINGS:
         log.warning(
             "%s: %d more malformed rows skipped (%d in all)",
@@ -148,3 +173,22 @@ def load_jsonl(path: str | Path) -> LoadReport:
             f"dataset {str(path)!r} has no valid row ({report.num_skipped} malformed{first})"
         )
     return report
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded object or the decoding error) of every non-blank line."""
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield line_no, e
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install pyarrow") from None
+    yield from enumerate(pq.read_table(path).to_pylist(), start=1)

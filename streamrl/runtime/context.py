@@ -16,7 +16,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError
 from streamrl.config.schema import Config
-from streamrl.data.dataset import PromptRow, builtin_rows, format_prompts, load_jsonl
+from streamrl.data.dataset import PromptRow, builtin_rows, format_prompts, load_rows
 from streamrl.data.prompts import CONVERSATION_NEEDS_TEMPLATE
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,12 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
     d = cfg.data
     skipped = 0
     if d.train_file:
-        report = load_jsonl(d.train_file)
+        report = load_rows(d.train_file, d.prompt_key, d.answer_key)
         train, skipped = report.rows, report.num_skipped
     else:
         train = builtin_rows(5_000, digits=d.digits, seed=d.seed, split="train")
     if d.eval_file:
-        report = load_jsonl(d.eval_file)
+        report = load_rows(d.eval_file, d.prompt_key, d.answer_key)
         evals, skipped = report.rows[: d.num_eval], skipped + report.num_skipped
     elif d.train_file:  # the built-in task's problems would say nothing about this data
         train, evals = hold_out(train, d.num_eval, d.seed)

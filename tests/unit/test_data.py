@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from streamrl.api import fields as F
 from streamrl.config import ConfigError, load_config
 from streamrl.data.arith import has_carry, is_eval_pair, sample_problems, worked_solution
-from streamrl.data.dataset import MAX_WARNINGS, PromptRow, builtin_rows, load_jsonl
+from streamrl.data.dataset import MAX_WARNINGS, PromptRow, builtin_rows, load_rows
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt, encode_response, prompt_lengths_over
 from streamrl.models.tokenizer import build_tokenizer
@@ -93,7 +93,7 @@ def test_load_jsonl_skips_malformed_lines_and_says_where(tmp_path: Path) -> None
         json.dumps({"prompt": "4+4=", "answer": 8, "level": "easy"}),
     ]
     path.write_text("\n".join(lines) + "\n")
-    report = load_jsonl(path)
+    report = load_rows(path)
     assert report.rows == [
         PromptRow("1+1=", "2"),
         PromptRow("4+4=", "8", {"level": "easy"}),
@@ -107,7 +107,7 @@ def test_load_jsonl_without_a_valid_row_raises(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "x"}\nnot json\n')
     with pytest.raises(ValueError, match=r"no valid row \(2 malformed; the first: .*bad.jsonl:1: "):
-        load_jsonl(path)
+        load_rows(path)
 
 
 def test_load_jsonl_reports_the_first_malformed_rows_and_counts_the_rest(
@@ -116,7 +116,7 @@ def test_load_jsonl_reports_the_first_malformed_rows_and_counts_the_rest(
     path = tmp_path / "messy.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' + "oops\n" * 25)
     with caplog.at_level(logging.WARNING, logger="streamrl.data.dataset"):
-        report = load_jsonl(path)
+        report = load_rows(path)
     assert report.num_skipped == 25 and len(report.problems) == 25
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == MAX_WARNINGS + 1
@@ -132,7 +132,7 @@ def test_a_train_file_without_an_eval_file_holds_rows_out_of_it(tmp_path: Path) 
     train, evals, skipped = load_datasets(cfg)
     assert (len(train), len(evals), skipped) == (46, 4, 0)
     assert {r.prompt for r in train}.isdisjoint({r.prompt for r in evals})
-    assert sorted(train + evals, key=lambda r: int(r.answer)) == load_jsonl(path).rows
+    assert sorted(train + evals, key=lambda r: int(r.answer)) == load_rows(path).rows
     assert load_datasets(cfg)[1] == evals  # the same rows every time (data.seed)
     assert len(hold_out(train + evals, 256, 0)[1]) == 5  # at most a tenth of the file
     with pytest.raises(ValueError, match="need two or more"):
@@ -201,7 +201,7 @@ def test_a_prompt_may_be_a_conversation(tmp_path: Path) -> None:
     rows[2]["answer"] = "1"
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    report = load_jsonl(path)
+    report = load_rows(path)
     assert [row.prompt for row in report.rows] == [CONVERSATION, "2+2="]
     assert report.num_skipped == 4
     assert "must end with a user message, not 'assistant'" in report.problems[0]
@@ -291,9 +291,54 @@ def test_lengths_of_conversations_over_a_limit_are_the_exact_encoded_lengths(tur
         assert over == {i: n for i, n in exact.items() if n > limit}
 
 
+def test_a_verl_parquet_file_loads_with_its_own_keys(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    # The shape of veRL's GSM8K files: a conversation prompt, the answer in a nested record.
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}? Answer after ####."}],
+            "ability": "math",
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+            "extra_info": {"index": i},
+        }
+        for i in range(5)
+    ]
+    rows[3]["reward_model"] = {"style": "rule"}  # no answer: reported with its row number
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = load_config(
+        [
+            f"data.train_file={path}",
+            f"data.eval_file={path}",
+            "data.answer_key=reward_model.ground_truth",
+        ]
+    )
+    train, evals, skipped = load_datasets(cfg)
+    assert skipped == 2 and len(train) == len(evals) == 4  # each file read once, both reported
+    assert train[1] == PromptRow(
+        "What is 1 + 1? Answer after ####.",
+        "2",
+        {
+            "data_source": "openai/gsm8k",
+            "ability": "math",
+            "reward_model": {"ground_truth": "2", "style": "rule"},
+            "extra_info": {"index": 1},
+        },
+    )
+    [problem] = load_rows(path, answer_key="reward_model.ground_truth").problems
+    assert problem.startswith(
+        f"{path}:4: skipped malformed row: missing key(s) ['reward_model.ground_truth']"
+    )
+    with pytest.raises(ValueError, match="no valid row"):  # the default keys find no answer
+        load_rows(path)
+
+
 def test_load_jsonl_of_a_missing_file_raises(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        load_jsonl(tmp_path / "missing.jsonl")
+        load_rows(tmp_path / "missing.jsonl")
 
 
 # -- prompts ----------------------------------------------------------------------------------
