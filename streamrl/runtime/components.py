@@ -299,14 +299,10 @@ class Evaluator:
             self.max_new_tokens,
         )
         if result.unscored:
-            counts = ", ".join(f"{status} {n}" for status, n in sorted(result.unscored.items()))
             log.warning(
-                "held-out evaluation: %d of %d responses not scored (%s; the first: %s); "
-                "counted as not correct",
-                sum(result.unscored.values()),
+                "held-out evaluation of %d responses: %s; counted as not correct",
                 len(self.rows),
-                counts,
-                result.first_reason,
+                result.unscored_text(),
             )
         return result
 

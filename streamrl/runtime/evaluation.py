@@ -53,8 +53,7 @@ class Evaluation:
             f"{self.cfg.reward.function})"
         )
         if r.unscored:
-            counts = ", ".join(f"{status} {n}" for status, n in sorted(r.unscored.items()))
-            line += f"; not scored, counted as not correct: {counts} (the first: {r.first_reason})"
+            line += f"; {r.unscored_text()}, counted as not correct"
         return line
 
 

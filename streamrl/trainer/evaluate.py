@@ -34,6 +34,14 @@ class EvalResult:
     """(row index, response, reward result) of every response not counted correct, in row
     order: what `streamrl eval --show N` prints."""
 
+    def unscored_text(self) -> str:
+        """`N not scored (timeout 2, infra_error 1; the first: REASON)`, or '' if none."""
+        if not self.unscored:
+            return ""
+        counts = ", ".join(f"{status} {n}" for status, n in sorted(self.unscored.items()))
+        total = sum(self.unscored.values())
+        return f"{total} not scored ({counts}; the first: {self.first_reason})"
+
 
 def greedy_accuracy(
     engine,
