@@ -1,8 +1,10 @@
 """The demo job with `rollout.engine=vllm`: it learns, and vLLM's log-probs are the trainer's.
 
 1. The embedded default job (warm-started tiny model, async GRPO at max_staleness=1, every role
-   its own Ray process) with vLLM as the rollout engine meets the foundation's bar: held-out
-   greedy accuracy <= 0.4 before RL and >= 0.8 after. Every step reports the rollout/trainer
+   its own Ray process) with vLLM as the rollout engine, cut to 40 steps, meets the foundation's
+   bar: held-out greedy accuracy <= 0.4 before RL and >= 0.8 after (measured 0.281 -> 0.965 at
+   step 20 and 0.980 at step 40; the 100 steps of the full job cost CI two more minutes and
+   test nothing more). Every step reports the rollout/trainer
    log-prob mismatch, and vLLM's per-token versions drive the staleness metrics.
 2. On identical weights (the synchronous loop: every token is sampled by exactly the weights the
    trainer scores it with) the mean |trainer - vLLM| log-prob of every step stays under
@@ -50,7 +52,10 @@ def train_steps(run_dir) -> list[dict]:
 
 def test_default_job_learns_with_vllm(tmp_path):
     run_dir = tmp_path / "demo-vllm"
-    proc = run_cli(["train", "rollout.engine=vllm", f"run.run_dir={run_dir}"], timeout=1200)
+    proc = run_cli(
+        ["train", "rollout.engine=vllm", "trainer.steps=40", f"run.run_dir={run_dir}"],
+        timeout=1200,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
 
     assert summary["mode"] == "ray" and summary["max_staleness"] == 1
