@@ -42,6 +42,7 @@ def check_paths(cfg) -> None:
             quiet.setLevel(level)
     if cfg.model.path is not None:
         check_model_dir(cfg)
+        warn_on_a_trained_model(cfg)
     check_local_resources(cfg)
     rt = cfg.runtime
     if rt.weight_channel == "tcp":
@@ -147,6 +148,36 @@ def check_local_resources(cfg) -> None:
             "rollout.engine = 'sglang', but SGLang is not installed here: install it (a GPU "
             "build), attach a running server (rollout.sglang_url=http://host:port) or say how "
             "to start one (rollout.sglang_launch_cmd)"
+        )
+
+
+def warn_on_a_trained_model(cfg) -> None:
+    """Warn when `model.path` is a streamrl checkpoint's model and this run's learning rate is
+    far above the rate that run ended at: a new run restarts schedule and optimizer, and the
+    demo's converged model lost 0.16 of held-out accuracy in 10 steps at the default rate."""
+    from streamrl.config.loader import load_config
+
+    model = Path(cfg.model.path).resolve()
+    run_dir = model.parent.parent.parent  # RUN/checkpoints/step-N/model
+    if model.name != "model" or model.parent.parent.name != "checkpoints":
+        return
+    if not (run_dir / "config.yaml").is_file():
+        return
+    try:
+        ended = ended_lr(load_config([str(run_dir / "config.yaml")]).algorithm)
+    except ConfigError:  # a config of another version: nothing to compare with
+        return
+    a = cfg.algorithm
+    if a.lr > 3 * ended and a.lr_warmup_steps == 0:
+        logging.getLogger(__name__).warning(
+            "model.path is the model trained by %s, whose learning rate ended at %.3g; this run "
+            "starts a new schedule and optimizer at algorithm.lr=%.3g, which can undo what it "
+            "learned: algorithm.lr=%.3g continues it (README, 'More training for a trained "
+            "model')",
+            run_dir,
+            ended,
+            a.lr,
+            ended,
         )
 
 

@@ -367,6 +367,22 @@ def test_cli_eval_says_what_it_cannot_evaluate(
     assert "has no checkpoint yet: nothing trained to evaluate" in capsys.readouterr().err
 
 
+def test_a_new_run_from_a_trained_model_is_warned_of_a_learning_rate_far_above_its_last(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from streamrl.config.preflight import warn_on_a_trained_model
+
+    (tmp_path / "config.yaml").write_text(dump_yaml(load_config([])))  # ended at 3e-5
+    model = tmp_path / "checkpoints" / "step-000100" / "model"
+    model.mkdir(parents=True)
+    for lr, warned in (("3e-4", True), ("3e-5", False)):
+        caplog.clear()
+        warn_on_a_trained_model(load_config([f"model.path={model}", f"algorithm.lr={lr}"]))
+        assert ("whose learning rate ended at 3e-05" in caplog.text) == warned, caplog.text
+    warn_on_a_trained_model(load_config([f"model.path={tmp_path}"]))  # not a checkpoint's model
+    assert "learning rate" not in caplog.text
+
+
 def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
