@@ -4,8 +4,8 @@ A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the rewa
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
 user turn (`streamrl.data.prompts`). Rows that keep them under other keys name them with
 `data.prompt_key` and `data.answer_key`, dotted into nested records (veRL's Parquet files:
-`prompt` and `reward_model.ground_truth`). A malformed row in a user file is reported with its file and line and
-skipped; a file with no valid row is an error.
+`prompt` and `reward_model.ground_truth`). A malformed row in a user file is reported with its
+file and line (or row number) and skipped; a file with no valid row is an error.
 """
 
 from __future__ import annotations
@@ -128,11 +128,13 @@ def parse_prompt(prompt: Any) -> Prompt:
                 f"'prompt' message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
                 f'"content": str}}, got {message!r}'[:300]
             )
-    if prompt[-1]["role"] != "user":
+    if prompt[-1]["role"] != "user" or not prompt[-1]["content"]:
         raise ValueError(
-            f"a conversation 'prompt' must end with a user message, not {prompt[-1]['role']!r}"
+            f"a conversation 'prompt' must end with a non-empty user message, not {prompt[-1]!r}"[
+                :300
+            ]
         )
-    if len(prompt) == 1 and prompt[0]["content"]:
+    if len(prompt) == 1:
         return prompt[0]["content"]
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 

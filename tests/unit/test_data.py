@@ -204,7 +204,7 @@ def test_a_prompt_may_be_a_conversation(tmp_path: Path) -> None:
     report = load_rows(path)
     assert [row.prompt for row in report.rows] == [CONVERSATION, "2+2="]
     assert report.num_skipped == 4
-    assert "must end with a user message, not 'assistant'" in report.problems[0]
+    assert "must end with a non-empty user message, not {'role': 'assistant'" in report.problems[0]
     assert 'message 0 must be {"role": one of system, user, assistant' in report.problems[1]
     assert "'role': 'user'}" in report.problems[2]
     assert "non-empty string or a list of chat messages, got []" in report.problems[3]
