@@ -85,6 +85,7 @@ FILE_ORDER_KEYS = (
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:
     """Refuse resume overrides that change the data order the run's checkpoints count in."""
     from streamrl.trainer.checkpoint import latest_model_dir
+    from streamrl.trainer.schedule import final_lr
 
     changed = []
     for key in DATA_ORDER_KEYS + (FILE_ORDER_KEYS if saved.data.train_file else ()):
@@ -98,14 +99,9 @@ def check_same_data_order(saved, cfg, run_dir: Path) -> None:
             "holds, so the resumed run would train some twice and skip others. Resume without "
             "it, or start a new run from the trained weights: "
             f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'} "
-            f"algorithm.lr={ended_lr(saved.algorithm):.3g} (about the rate it ended at; a new "
+            f"algorithm.lr={final_lr(saved):.3g} (about the rate it ended at; a new "
             "run starts its schedule and optimizer afresh)"
         )
-
-
-def ended_lr(algorithm) -> float:
-    """The learning rate a run with these `algorithm` settings ends at (its schedule's last)."""
-    return algorithm.lr * (algorithm.min_lr_ratio if algorithm.lr_schedule == "cosine" else 1.0)
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -156,6 +152,7 @@ def warn_on_a_trained_model(cfg) -> None:
     far above the rate that run ended at: a new run restarts schedule and optimizer, and the
     demo's converged model lost 0.16 of held-out accuracy in 10 steps at the default rate."""
     from streamrl.config.loader import load_config
+    from streamrl.trainer.schedule import final_lr
 
     model = Path(cfg.model.path).resolve()
     run_dir = model.parent.parent.parent  # RUN/checkpoints/step-N/model
@@ -164,7 +161,7 @@ def warn_on_a_trained_model(cfg) -> None:
     if not (run_dir / "config.yaml").is_file():
         return
     try:
-        ended = ended_lr(load_config([str(run_dir / "config.yaml")]).algorithm)
+        ended = final_lr(load_config([str(run_dir / "config.yaml")]))
     except ConfigError:  # a config of another version: nothing to compare with
         return
     a = cfg.algorithm

@@ -129,10 +129,9 @@ def parse_prompt(prompt: Any) -> Prompt:
                 f'"content": str}}, got {message!r}'[:300]
             )
     if prompt[-1]["role"] != "user" or not prompt[-1]["content"]:
+        last = repr(prompt[-1])[:200]
         raise ValueError(
-            f"a conversation 'prompt' must end with a non-empty user message, not {prompt[-1]!r}"[
-                :300
-            ]
+            f"a conversation 'prompt' must end with a non-empty user message, not {last}"
         )
     if len(prompt) == 1:
         return prompt[0]["content"]
@@ -151,11 +150,13 @@ def load_rows(
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     report = LoadReport(rows=[])
-    for where, obj in _parquet_records(path) if path.suffix == ".parquet" else _jsonl_records(path):
+    parquet = path.suffix == ".parquet"
+    records, decode = (
+        (_parquet_records(path), dict) if parquet else (_jsonl_lines(path), json.loads)
+    )
+    for where, record in records:
         try:
-            if isinstance(obj, json.JSONDecodeError):
-                raise obj
-            report.rows.append(parse_row(obj, prompt_key, answer_key))
+            report.rows.append(parse_row(decode(record), prompt_key, answer_key))
         except (json.JSONDecodeError, ValueError) as e:
             report.num_skipped += 1
             msg = f"{path}:{where}: skipped malformed row: {e}"
@@ -177,15 +178,12 @@ def load_rows(
     return report
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded object or the decoding error) of every non-blank line."""
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of every non-blank line."""
     with path.open() as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                try:
-                    yield line_no, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield line_no, e
+                yield line_no, line
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:

@@ -308,3 +308,7 @@ class Evaluator:
 
     def accuracy(self) -> float:
         return self.evaluate().accuracy
+
+    def close(self) -> None:
+        """Stop the reward sandbox's worker (it also ends with this process)."""
+        self.scorer.close()

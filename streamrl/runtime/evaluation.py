@@ -86,5 +86,5 @@ def evaluate(target: Path, overrides: list[str]) -> Evaluation:
         try:
             result = evaluator.evaluate()
         finally:
-            evaluator.scorer.close()
+            evaluator.close()
     return Evaluation(model_dir, cfg, ctx.eval_rows, result)

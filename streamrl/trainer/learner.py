@@ -20,6 +20,7 @@ from streamrl.trainer.algos.losses import batch_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.logprobs import pack, response_logprobs
 from streamrl.trainer.microbatch import padding_free_logprobs
+from streamrl.trainer.schedule import scheduled_lr
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ class Learner:
         padding_free: bool = False,
         compile: bool = False,
     ):
-        if lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        scheduled_lr(0, lr=lr, schedule=lr_schedule, total_steps=total_steps)  # checks it
         self.model = model
         # What the training forward calls: the model, or a compiled view of it sharing its
         # parameters (evaluation and the engine keep calling the model itself).
@@ -77,16 +77,15 @@ class Learner:
 
     def lr_at(self, version: int) -> float:
         """Learning rate of the step that makes version+1: a function of the version alone, so
-        a resumed run continues the schedule with no extra state. The first `warmup_steps`
-        steps rise linearly to `lr`; the schedule runs over the steps after them."""
-        if version < self.warmup_steps:
-            return self.lr * (version + 1) / (self.warmup_steps + 1)
-        decay_steps = self.total_steps - self.warmup_steps
-        if self.lr_schedule == "constant" or decay_steps <= 1:
-            return self.lr
-        progress = min((version - self.warmup_steps) / (decay_steps - 1), 1.0)
-        cosine = 0.5 * (1 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+        a resumed run continues the schedule with no extra state (`schedule.scheduled_lr`)."""
+        return scheduled_lr(
+            version,
+            lr=self.lr,
+            schedule=self.lr_schedule,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
     def _reset_step(self) -> None:
         self._normaliser = 0.0
