@@ -5,7 +5,7 @@
     streamrl logs RUN_DIR [ROLE] [-n N]
     streamrl scale RUN_DIR ROLE=N
     streamrl stop RUN_DIR
-    streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N]
+    streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N] [--samples K [--temperature T]]
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser(
         "eval",
         help="held-out greedy accuracy of a run's trained model (as the run measured it) or "
-        "of any model directory",
+        "of any model directory; pass@k with --samples K",
     )
     evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR")
     evaluate.add_argument(
@@ -75,6 +75,21 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="also print the first N prompts answered wrong: response and reward verdict",
+    )
+    evaluate.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also sample K answers a prompt and report pass@1 (mean accuracy of a sample) "
+        "up to pass@K",
+    )
+    evaluate.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sampling temperature of --samples (default: the run's rollout.temperature)",
     )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -209,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             from streamrl.runtime.evaluation import evaluate
 
-            evaluation = evaluate(Path(args.target), list(args.args))
+            evaluation = evaluate(
+                Path(args.target),
+                list(args.args),
+                samples=args.samples,
+                temperature=args.temperature,
+            )
             if args.show:
                 print(evaluation.misses(args.show))
             print(evaluation.report())

@@ -23,7 +23,7 @@ from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import AdvantageSettings
 from streamrl.trainer.algos.objective import LossSettings
-from streamrl.trainer.evaluate import EvalResult, greedy_accuracy
+from streamrl.trainer.evaluate import EvalResult, SampledResult, greedy_accuracy, sampled_accuracy
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.service import BatchTrainer
 
@@ -287,6 +287,7 @@ class Evaluator:
         ]
         self.scorer = make_scorer(ctx)  # its worker process starts at the first evaluation
         self.max_new_tokens = ctx.cfg.rollout.max_new_tokens
+        self.seed = ctx.cfg.run.seed
 
     def evaluate(self) -> EvalResult:
         self.engine.model.eval()
@@ -305,6 +306,22 @@ class Evaluator:
                 result.unscored_text(),
             )
         return result
+
+    def sample(self, samples: int, temperature: float, advance=lambda n: None) -> SampledResult:
+        """pass@k of the held-out prompts from `samples` answers each at `temperature`."""
+        self.engine.model.eval()
+        return sampled_accuracy(
+            self.engine,
+            self.tokenizer,
+            self.rows,
+            self.prompt_ids,
+            self.scorer,
+            self.max_new_tokens,
+            samples=samples,
+            temperature=temperature,
+            seed=self.seed,
+            advance=advance,
+        )
 
     def accuracy(self) -> float:
         return self.evaluate().accuracy

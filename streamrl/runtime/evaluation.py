@@ -1,10 +1,13 @@
-"""`streamrl eval`: held-out greedy accuracy of a model, measured as a run measures it.
+"""`streamrl eval`: held-out greedy accuracy of a model, measured as a run measures it, and
+pass@k from several sampled answers a prompt (`--samples K`).
 
 The target is a run directory (its latest checkpoint's model, with the run's own config: the
 same held-out prompts, reward and response length, so a finished run's figure is its
 `final_eval_accuracy`) or any local model directory (with the embedded defaults). Overrides
 change what is measured: `data.eval_file=other.jsonl`, `data.num_eval=1000`,
-`reward.function=...`.
+`reward.function=...`. With `--samples K` each prompt is also answered K times at the run's
+sampling temperature (or `--temperature T`), and pass@1 (the mean accuracy of one sample) to
+pass@K are reported, estimated without bias from the K samples.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.config.preflight import check_paths
 from streamrl.data.dataset import PromptRow
-from streamrl.trainer.evaluate import EvalResult
+from streamrl.metrics.progress import phase
+from streamrl.trainer.evaluate import EvalResult, SampledResult
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Evaluation:
     cfg: Config
     rows: list[PromptRow]
     result: EvalResult
+    sampled: SampledResult | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -54,6 +59,8 @@ class Evaluation:
         )
         if r.unscored:
             line += f"; {r.unscored_text()}, counted as not correct"
+        if self.sampled is not None:
+            line += f"\n{self.model_dir}: {self.sampled.text()}"
         return line
 
 
@@ -74,17 +81,31 @@ def target_config(target: Path, overrides: list[str]) -> tuple[Config, Path]:
     )
 
 
-def evaluate(target: Path, overrides: list[str]) -> Evaluation:
+def evaluate(
+    target: Path, overrides: list[str], *, samples: int = 0, temperature: float | None = None
+) -> Evaluation:
+    """Greedy accuracy of TARGET's model; with `samples` > 0 also pass@k from that many answers
+    a prompt at `temperature` (None: the config's `rollout.temperature`)."""
     from streamrl.runtime.components import Evaluator, load_policy_model
     from streamrl.runtime.context import prepare
 
     cfg, model_dir = target_config(target, overrides)
+    temperature = cfg.rollout.temperature if temperature is None else temperature
+    if samples < 0 or (samples and temperature <= 0):
+        raise ConfigError(
+            f"--samples {samples} --temperature {temperature}: pass@k needs --samples >= 1 "
+            "and a temperature > 0 (greedy answers are measured anyway)"
+        )
     check_paths(cfg)
+    sampled = None
     with tempfile.TemporaryDirectory(prefix="streamrl-eval-") as scratch:
         ctx = prepare(cfg, model_dir, Path(scratch))
         evaluator = Evaluator(ctx, load_policy_model(ctx, "rollout.device"))
         try:
             result = evaluator.evaluate()
+            if samples:
+                with phase(f"sampling {samples} answers a prompt", total=samples) as advance:
+                    sampled = evaluator.sample(samples, temperature, advance)
         finally:
             evaluator.close()
-    return Evaluation(model_dir, cfg, ctx.eval_rows, result)
+    return Evaluation(model_dir, cfg, ctx.eval_rows, result, sampled)

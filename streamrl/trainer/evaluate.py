@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy decoding of the eval prompts, scored by the run's reward function.
+"""Held-out evaluation: the eval prompts decoded greedily (or sampled several times for pass@k),
+scored by the run's reward function.
 
 The reward is user code seeing model output, here as in training: it runs in the reward sandbox
 (`streamrl.reward.sandbox`), so one that hangs or raises on some response costs that response
@@ -9,7 +10,7 @@ trainer that evaluates.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
@@ -36,11 +37,71 @@ class EvalResult:
 
     def unscored_text(self) -> str:
         """`N not scored (timeout 2, infra_error 1; the first: REASON)`, or '' if none."""
-        if not self.unscored:
-            return ""
-        counts = ", ".join(f"{status} {n}" for status, n in sorted(self.unscored.items()))
-        total = sum(self.unscored.values())
-        return f"{total} not scored ({counts}; the first: {self.first_reason})"
+        return _unscored_text(self.unscored, self.first_reason) if self.unscored else ""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from `n` samples of which `c` are correct: the chance that `k`
+    of them drawn without replacement hold at least one correct, 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021), computed as a product so that large `n` does not overflow."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def report_ks(n: int) -> list[int]:
+    """The k of pass@k worth printing for n samples: powers of two up to n, and n."""
+    ks = [1]
+    while ks[-1] * 2 <= n:
+        ks.append(ks[-1] * 2)
+    return ks if ks[-1] == n else [*ks, n]
+
+
+@dataclass(frozen=True)
+class SampledResult:
+    samples: int
+    """Samples drawn per prompt."""
+    temperature: float
+    correct: list[int]
+    """Correct samples of each prompt, in row order."""
+    unscored: dict[str, int] = field(default_factory=dict)
+    """Samples the reward could not score, by status: counted as not correct."""
+    first_reason: str = ""
+
+    def pass_at(self, k: int) -> float:
+        """pass@k over the prompts (pass@1 is the mean accuracy of a sample)."""
+        return sum(pass_at_k(self.samples, c, k) for c in self.correct) / max(len(self.correct), 1)
+
+    def text(self) -> str:
+        """`pass@1 0.8125, pass@2 0.9010, ... (8 samples a prompt at temperature 1.0)`."""
+        figures = ", ".join(f"pass@{k} {self.pass_at(k):.4f}" for k in report_ks(self.samples))
+        line = f"{figures} ({self.samples} samples a prompt at temperature {self.temperature:g})"
+        if self.unscored:
+            line += "; " + _unscored_text(self.unscored, self.first_reason)
+        return line
+
+
+def _unscored_text(unscored: dict[str, int], first_reason: str) -> str:
+    counts = ", ".join(f"{status} {n}" for status, n in sorted(unscored.items()))
+    return f"{sum(unscored.values())} not scored ({counts}; the first: {first_reason})"
+
+
+def _scored(tokenizer, rows, results, scorer):
+    """(tasks, scores, hit) of one response per row; hit is reward >= 1 (correct)."""
+    tasks = [
+        ScoreTask(
+            tokenizer.decode(res.response_ids, skip_special_tokens=True), row.answer, row.extra
+        )
+        for row, res in zip(rows, results, strict=True)
+    ]
+    scores = scorer.score(tasks)
+    hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
+    return tasks, scores, hit
 
 
 def greedy_accuracy(
@@ -56,14 +117,7 @@ def greedy_accuracy(
     results = engine.generate(
         requests, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     )
-    tasks = [
-        ScoreTask(
-            tokenizer.decode(res.response_ids, skip_special_tokens=True), row.answer, row.extra
-        )
-        for row, res in zip(rows, results, strict=True)
-    ]
-    scores = scorer.score(tasks)
-    hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
+    tasks, scores, hit = _scored(tokenizer, rows, results, scorer)
     failed = [s for s in scores if s.status in UNSCORED]
     return EvalResult(
         accuracy=sum(hit) / max(len(rows), 1),
@@ -74,4 +128,43 @@ def greedy_accuracy(
             for i, (task, score, ok) in enumerate(zip(tasks, scores, hit, strict=True))
             if not ok
         ],
+    )
+
+
+def sampled_accuracy(
+    engine,
+    tokenizer,
+    rows: Sequence[PromptRow],
+    prompt_ids: Sequence[list[int]],
+    scorer,
+    max_new_tokens: int,
+    *,
+    samples: int,
+    temperature: float,
+    seed: int = 0,
+    advance: Callable[[int], None] = lambda n: None,
+) -> SampledResult:
+    """`samples` answers to each of `rows` drawn at `temperature`, scored by `scorer`; one
+    round (every prompt once) at a time, calling `advance(1)` after each."""
+    if samples < 1 or temperature <= 0:
+        raise ValueError(
+            f"sampled evaluation needs samples >= 1 and temperature > 0; got samples={samples}, "
+            f"temperature={temperature}"
+        )
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    correct = [0] * len(rows)
+    failed: list[RewardResult] = []
+    for k in range(samples):
+        # The request id seeds a request's sampling noise: a different one for every sample.
+        requests = [GenerationRequest(f"eval-{i}-{k}", ids) for i, ids in enumerate(prompt_ids)]
+        _, scores, hit = _scored(tokenizer, rows, engine.generate(requests, params), scorer)
+        correct = [c + h for c, h in zip(correct, hit, strict=True)]
+        failed += [s for s in scores if s.status in UNSCORED]
+        advance(1)
+    return SampledResult(
+        samples=samples,
+        temperature=temperature,
+        correct=correct,
+        unscored=dict(Counter(s.status for s in failed)),
+        first_reason=failed[0].reason if failed else "",
     )
