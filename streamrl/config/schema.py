@@ -113,10 +113,13 @@ class RolloutConfig(Section):
     versions ahead of the trainer."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the builtin engine runs: `auto` is a GPU when torch sees one, else the CPU."""
-    threads: int = Field(1, ge=1)
+    threads: int | None = Field(None, ge=1)
     """torch threads of each rollout process in ray mode (the builtin engine's kernels, an
-    in-process vLLM's CPU work). One each on two cores; with more cores, give the rollout and
-    the trainer (`trainer.threads`) about half of them each. Threads mode runs one per role."""
+    in-process vLLM's CPU work). None: the rollout replicas share half of the cores Ray was
+    started with (`runtime.num_cpus`, else this machine's), the trainer the other half (one
+    each on two cores); a role that reserves CPUs (`runtime.roles.rollout.num_cpus`) gets that
+    many, and on an existing cluster (`runtime.ray_address`) one. Threads mode runs one per
+    role."""
     max_batch_size: int = Field(512, ge=1)
     """Most sequences an engine decodes at once (vLLM's `max_num_seqs`; SGLang: requests in
     flight, and a launched server's `--max-running-requests`)."""
@@ -329,8 +332,9 @@ class TrainerConfig(Section):
     """Evaluate held-out greedy accuracy every this many steps (0: only at start and end)."""
     checkpoint_every: int = Field(20, ge=0)
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
-    threads: int = Field(1, ge=1)
-    """torch threads of the trainer process in ray mode (see `rollout.threads`)."""
+    threads: int | None = Field(None, ge=1)
+    """torch threads of the trainer process in ray mode (FSDP ranks: of each rank). None: half
+    of the cores, shared by the ranks (see `rollout.threads`)."""
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks of the trainer on its node. 1 trains in the trainer's process; N > 1
     shards the model with FSDP2 over N processes (gloo on CPU, NCCL on GPUs; on GPUs give the

@@ -19,6 +19,7 @@ STRICT_PACK, STRICT_SPREAD), and schedules each replica into its own bundle:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -26,6 +27,45 @@ import ray
 log = logging.getLogger(__name__)
 
 MIN_BUNDLE_CPUS = 0.01
+# torch threads of a role process other than the trainer's and the rollout's: their work is small.
+LIGHT_ROLE_THREADS = 1
+
+
+def local_cores(cfg) -> int:
+    """Cores of the local Ray instance this run starts: `runtime.num_cpus`, else the cores this
+    process may run on."""
+    if cfg.runtime.num_cpus:
+        return cfg.runtime.num_cpus
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def role_threads(cfg, role: str, cores: int) -> tuple[int, str]:
+    """torch threads of one process of `role` in ray mode, and where the number came from.
+
+    `trainer.threads` / `rollout.threads` when set; else the CPUs the role reserves
+    (`runtime.roles.<role>.num_cpus`, whole ones); else, on a local instance of `cores` cores,
+    the trainer half of them (rounded up) and the rollout the rest, split over the trainer's
+    ranks and the rollout's replicas; on an existing cluster, whose nodes' cores this process
+    cannot see, one. The light roles always get one."""
+    explicit = {"trainer": cfg.trainer.threads, "rollout": cfg.rollout.threads}
+    if role not in explicit:
+        return LIGHT_ROLE_THREADS, "light role"
+    if explicit[role] is not None:
+        return explicit[role], f"{role}.threads"
+    placement = getattr(cfg.runtime.roles, role)
+    if placement.num_cpus >= 1:
+        return int(placement.num_cpus), f"runtime.roles.{role}.num_cpus"
+    if cfg.runtime.ray_address is not None:
+        return 1, "existing cluster"
+    trainer_share = (cores + 1) // 2
+    if role == "trainer":
+        share, processes = trainer_share, cfg.trainer.world_size
+    else:
+        share, processes = max(cores - trainer_share, 1), placement.replicas
+    return max(share // processes, 1), f"auto, {cores} cores"
 
 
 def placement_options(placement) -> dict[str, Any]:

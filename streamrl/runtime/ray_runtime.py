@@ -40,7 +40,12 @@ from streamrl.runtime.context import RunContext
 from streamrl.runtime.control import read_requests
 from streamrl.runtime.errors import RoleNotBuilt
 from streamrl.runtime.logs import attach_role_log, log_failure, start_log_sink
-from streamrl.runtime.placement import RolePlacementGroup, placement_options
+from streamrl.runtime.placement import (
+    RolePlacementGroup,
+    local_cores,
+    placement_options,
+    role_threads,
+)
 from streamrl.runtime.recovery import (
     DeferredAcks,
     held_groups,
@@ -60,9 +65,6 @@ from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
 log = logging.getLogger(__name__)
 
-# torch threads of a role process other than the trainer's (`trainer.threads`) and the
-# rollout's (`rollout.threads`): the light roles' work is small.
-ROLE_THREADS = 1
 BUS_THREADS = 64  # the fewest threads of each bus shard actor
 STATS_LOG_S = 30.0  # how often a role writes its counters into its log
 
@@ -207,7 +209,7 @@ def ensure_ray(ctx: RunContext) -> None:
     else:
         ray.init(
             address="local",  # our own instance, even if another Ray cluster runs on this machine
-            num_cpus=rt.num_cpus or os.cpu_count() or 1,
+            num_cpus=local_cores(ctx.cfg),
             include_dashboard=False,
             log_to_driver=True,
             object_store_memory=256 * 2**20,
@@ -252,15 +254,21 @@ def run_ray(
     for consumer in bus_consumers(ctx):
         bus.register_consumer(consumer)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)
+    cores = local_cores(ctx.cfg)
+    log.info(
+        "torch threads: %s",
+        ", ".join(
+            "{} {} ({})".format(role, *role_threads(ctx.cfg, role, cores))
+            for role in ("trainer", "rollout")
+        ),
+    )
     supervisor: Supervisor | None = None
     # What a (re)started trainer is given, and the weights handle of every other role.
     trainer_start = {"ctx": ctx, "step": start_step, "weights": weights_for_trainer(ctx)}
     subscriber = None
 
     def make_actor(name: str):
-        threads = {"trainer": ctx.cfg.trainer.threads, "rollout": ctx.cfg.rollout.threads}.get(
-            base_role(name), ROLE_THREADS
-        )
+        threads, _ = role_threads(ctx.cfg, base_role(name), cores)
         if group is not None:  # its bundle (a restarted replica goes back into its own)
             options = group.options(name)
         else:

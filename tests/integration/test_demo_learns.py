@@ -8,6 +8,7 @@ This is the README's first command minus the install: the warm-started tiny mode
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -52,6 +53,10 @@ def test_default_job_learns(tmp_path):
     assert (run_dir / "reward_accuracy.png").stat().st_size > 1000
     assert any((run_dir / "tb").iterdir())
     assert "final eval accuracy" in proc.stdout
+    assert re.search(
+        r"torch threads: trainer \d+ \(auto, \d+ cores\), rollout \d+ \(auto, \d+ cores\)",
+        (run_dir / "logs" / "controller.log").read_text(),
+    )
     assert "trained model" in proc.stdout
     assert hf_generate_accuracy(summary["final_model_dir"]) == pytest.approx(
         summary["final_eval_accuracy"], abs=0.02
