@@ -138,12 +138,46 @@ def check_local_resources(cfg) -> None:
             "rollout.engine = 'vllm', but vLLM is not installed here: `make install-vllm` "
             "installs its CPU build (see docs/engines.md)"
         )
+    if r.engine == "vllm":
+        check_vllm_cpu_head_size(cfg)
     launches = r.sglang_url is None and r.sglang_launch_cmd is None
     if r.engine == "sglang" and launches and importlib.util.find_spec("sglang") is None:
         raise ConfigError(
             "rollout.engine = 'sglang', but SGLang is not installed here: install it (a GPU "
             "build), attach a running server (rollout.sglang_url=http://host:port) or say how "
             "to start one (rollout.sglang_launch_cmd)"
+        )
+
+
+def check_vllm_cpu_head_size(cfg) -> None:
+    """Refuse a model whose attention head size vLLM's CPU build cannot run, when the rollout
+    runs on this machine's CPU (it would fail at the first batch, after the warm start, and
+    again at each restart)."""
+    import torch
+
+    from streamrl.rollout.vllm_engine import CPU_HEAD_SIZES
+
+    device = cfg.rollout.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return
+    if cfg.model.path is None:
+        m = cfg.model
+        head_dim = m.hidden_size // m.num_heads
+        where = (
+            f"the built-in model's (model.hidden_size={m.hidden_size} / "
+            f"model.num_heads={m.num_heads})"
+        )
+    else:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        where = f"model.path's ({cfg.model.path})"
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"rollout.engine = 'vllm' on the CPU: vLLM's CPU attention runs head sizes "
+            f"{', '.join(map(str, CPU_HEAD_SIZES))}, and {where} is {head_dim}; use "
+            "rollout.engine=builtin, or a model with one of those head sizes"
         )
 
 

@@ -43,7 +43,12 @@ from streamrl.rollout.vllm_replica import (
     request_seed,
 )
 
-__all__ = ["VllmEngine", "VllmSettings", "request_seed"]
+__all__ = ["CPU_HEAD_SIZES", "VllmEngine", "VllmSettings", "request_seed"]
+
+# Head dimensions vLLM's CPU attention runs (vLLM 0.32, `CPUAttentionBackend.
+# get_supported_head_sizes`; a unit test checks the installed vLLM says the same). Kept here
+# because the pre-run check should not spend the seconds importing vLLM takes.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 # In-process engines share vLLM's module-level torch.distributed groups: the first one creates

@@ -403,6 +403,25 @@ def test_cli_refuses_cuda_without_a_gpu(
     assert "trainer.device = 'cuda', but torch sees no GPU here" in err
 
 
+def test_cli_refuses_a_head_size_vllms_cpu_attention_cannot_run(
+    quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+    from transformers import Qwen3Config
+
+    from streamrl.config.preflight import check_vllm_cpu_head_size
+
+    if importlib.util.find_spec("vllm") is None or torch.cuda.is_available():
+        pytest.skip("needs vLLM's CPU build on a machine without a GPU")
+    err = refused(tmp_path, capsys, "rollout.engine=vllm", "model.num_heads=8")
+    assert "vLLM's CPU attention runs head sizes 32, 64," in err
+    assert "the built-in model's (model.hidden_size=128 / model.num_heads=8) is 16" in err
+    Qwen3Config(hidden_size=256, num_attention_heads=4, head_dim=48).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"model.path's \\({tmp_path}\\) is 48"):
+        check_vllm_cpu_head_size(load_config(["rollout.engine=vllm", f"model.path={tmp_path}"]))
+    check_vllm_cpu_head_size(load_config(["rollout.engine=vllm"]))  # the default model: 32
+
+
 def test_cli_resume_refuses_overrides_that_change_the_data_order(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

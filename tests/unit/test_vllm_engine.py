@@ -34,7 +34,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError(f"{_REASON} (STREAMRL_REQUIRE_VLLM=1 requires it)")
     pytest.skip(_REASON, allow_module_level=True)
 
-from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
+from streamrl.rollout.vllm_engine import CPU_HEAD_SIZES, VllmEngine, VllmSettings  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -400,3 +400,9 @@ def test_two_engines_in_their_own_processes(model_dir: Path, base_model, prompts
     finally:
         engines.close()
     assert np.isfinite(results[0].logprobs).all()
+
+
+def test_the_pre_run_checks_head_sizes_are_vllms_own() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
