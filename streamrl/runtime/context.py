@@ -27,7 +27,8 @@ class RunContext:
     cfg: Config
     policy_dir: Path
     run_dir: Path
-    train_rows: list[PromptRow]
+    train_rows: list[PromptRow] | None
+    """The training prompts (None in the Ray processes of roles other than the feeder)."""
     eval_rows: list[PromptRow]
     num_malformed_rows: int = 0
     checkpoint: Path | None = None

@@ -264,7 +264,10 @@ def run_ray(
     )
     supervisor: Supervisor | None = None
     # What a (re)started trainer is given, and the weights handle of every other role.
-    trainer_start = {"ctx": ctx, "step": start_step, "weights": weights_for_trainer(ctx)}
+    # Only the feeder reads the training rows; every other role's process gets the context
+    # without them (each copy of a 300,000-row file cost about 0.3 GiB: docs/benchmarks.md).
+    lean = replace(ctx, train_rows=None)
+    trainer_start = {"ctx": lean, "step": start_step, "weights": weights_for_trainer(ctx)}
     subscriber = None
 
     def make_actor(name: str):
@@ -276,7 +279,8 @@ def run_ray(
         if name == "trainer":
             args = (trainer_start["ctx"], bus, trainer_start["weights"], trainer_start["step"])
         else:
-            args = (ctx, bus, subscriber, _trainer_step(supervisor, trainer_start["step"]))
+            role_ctx = ctx if base_role(name) == "feeder" else lean
+            args = (role_ctx, bus, subscriber, _trainer_step(supervisor, trainer_start["step"]))
         return actor_cls.options(**options).remote(name, *args, threads, log_sink)
 
     def resume_trainer() -> str:
@@ -286,7 +290,7 @@ def run_ray(
         released, acked = settle_trainer_rows(bus, step)
         if on_rewind is not None:
             on_rewind(step)
-        trainer_start.update(ctx=replace(ctx, checkpoint=checkpoint), step=step)
+        trainer_start.update(ctx=replace(lean, checkpoint=checkpoint), step=step)
         return (
             f"resuming from {checkpoint or 'the start'} in place ({released} leases handed "
             f"back, {acked} checkpointed rows acked; the other roles keep running)"

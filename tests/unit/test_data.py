@@ -123,6 +123,27 @@ def test_load_jsonl_reports_the_first_malformed_rows_and_counts_the_rest(
     assert messages[-1] == f"{path}: {25 - MAX_WARNINGS} more malformed rows skipped (25 in all)"
 
 
+def test_a_file_read_again_unchanged_is_not_reparsed_but_reports_its_problems_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import streamrl.data.dataset as dataset
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\noops\n')
+    first = load_rows(path)
+    first.rows.clear()  # a caller's changes do not reach the next reader
+    monkeypatch.setattr(dataset, "_read_rows", lambda *a: pytest.fail("read again"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="streamrl.data.dataset"):
+        again = load_rows(path)
+    assert [r.prompt for r in again.rows] == ["1+1="] and again.num_skipped == 1
+    assert [r.getMessage() for r in caplog.records] == again.problems
+    assert again.problems[0].startswith(f"{path}:2: skipped malformed row: ")
+    monkeypatch.undo()
+    path.write_text('{"prompt": "2+2=", "answer": "4"}\n')  # changed: read again
+    assert [r.prompt for r in load_rows(path).rows] == ["2+2="]
+
+
 def test_a_train_file_without_an_eval_file_holds_rows_out_of_it(tmp_path: Path) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text(
