@@ -23,7 +23,7 @@ from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.runtime.context import RunContext
 from streamrl.trainer.advantage import AdvantageSettings
 from streamrl.trainer.algos.objective import LossSettings
-from streamrl.trainer.evaluate import EvalResult, SampledResult, greedy_accuracy, sampled_accuracy
+from streamrl.trainer.evaluate import EvalResult, HeldOut, SampledResult
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.service import BatchTrainer
 
@@ -275,57 +275,43 @@ def make_scorer(ctx: RunContext) -> SandboxedScorer:
 
 
 class Evaluator:
-    """Greedy held-out accuracy of a model, with its own engine over the same model object."""
+    """Held-out accuracy of a model (greedy, or pass@k of sampled answers), with its own engine
+    over the same model object."""
 
     def __init__(self, ctx: RunContext, model):
-        self.tokenizer = load_tokenizer(ctx.policy_dir)
-        self.engine = make_engine(ctx, model)
-        self.rows = ctx.eval_rows
+        tokenizer = load_tokenizer(ctx.policy_dir)
         chat = ctx.cfg.data.chat_template
-        self.prompt_ids = [
-            encode_prompt(self.tokenizer, r.prompt, chat_template=chat) for r in self.rows
-        ]
-        self.scorer = make_scorer(ctx)  # its worker process starts at the first evaluation
-        self.max_new_tokens = ctx.cfg.rollout.max_new_tokens
+        self.held_out = HeldOut(
+            engine=make_engine(ctx, model),
+            tokenizer=tokenizer,
+            rows=ctx.eval_rows,
+            prompt_ids=[
+                encode_prompt(tokenizer, r.prompt, chat_template=chat) for r in ctx.eval_rows
+            ],
+            scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
+            max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+        )
         self.seed = ctx.cfg.run.seed
 
     def evaluate(self) -> EvalResult:
-        self.engine.model.eval()
-        result = greedy_accuracy(
-            self.engine,
-            self.tokenizer,
-            self.rows,
-            self.prompt_ids,
-            self.scorer,
-            self.max_new_tokens,
-        )
+        self.held_out.engine.model.eval()
+        result = self.held_out.greedy()
         if result.unscored:
             log.warning(
                 "held-out evaluation of %d responses: %s; counted as not correct",
-                len(self.rows),
+                len(self.held_out.rows),
                 result.unscored_text(),
             )
         return result
 
     def sample(self, samples: int, temperature: float, advance=lambda n: None) -> SampledResult:
         """pass@k of the held-out prompts from `samples` answers each at `temperature`."""
-        self.engine.model.eval()
-        return sampled_accuracy(
-            self.engine,
-            self.tokenizer,
-            self.rows,
-            self.prompt_ids,
-            self.scorer,
-            self.max_new_tokens,
-            samples=samples,
-            temperature=temperature,
-            seed=self.seed,
-            advance=advance,
-        )
+        self.held_out.engine.model.eval()
+        return self.held_out.sampled(samples, temperature, seed=self.seed, advance=advance)
 
     def accuracy(self) -> float:
         return self.evaluate().accuracy
 
     def close(self) -> None:
         """Stop the reward sandbox's worker (it also ends with this process)."""
-        self.scorer.close()
+        self.held_out.scorer.close()

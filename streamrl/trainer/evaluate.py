@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.api.reward import RewardResult
@@ -91,80 +92,82 @@ def _unscored_text(unscored: dict[str, int], first_reason: str) -> str:
     return f"{sum(unscored.values())} not scored ({counts}; the first: {first_reason})"
 
 
-def _scored(tokenizer, rows, results, scorer):
-    """(tasks, scores, hit) of one response per row; hit is reward >= 1 (correct)."""
-    tasks = [
-        ScoreTask(
-            tokenizer.decode(res.response_ids, skip_special_tokens=True), row.answer, row.extra
+@dataclass
+class HeldOut:
+    """The held-out prompts (encoded), the engine that answers them and the scorer (a
+    `SandboxedScorer`) that judges the answers."""
+
+    engine: Any
+    tokenizer: Any
+    rows: Sequence[PromptRow]
+    prompt_ids: Sequence[list[int]]
+    scorer: Any
+    max_new_tokens: int
+
+    def greedy(self) -> EvalResult:
+        """Greedy answers to every row, scored."""
+        requests = [GenerationRequest(f"eval-{i}", ids) for i, ids in enumerate(self.prompt_ids)]
+        params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
+        tasks, scores, hit = self._scored(self.engine.generate(requests, params))
+        failed = [s for s in scores if s.status in UNSCORED]
+        return EvalResult(
+            accuracy=sum(hit) / max(len(self.rows), 1),
+            unscored=dict(Counter(s.status for s in failed)),
+            first_reason=failed[0].reason if failed else "",
+            misses=[
+                (i, task.response, score)
+                for i, (task, score, ok) in enumerate(zip(tasks, scores, hit, strict=True))
+                if not ok
+            ],
         )
-        for row, res in zip(rows, results, strict=True)
-    ]
-    scores = scorer.score(tasks)
-    hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
-    return tasks, scores, hit
 
-
-def greedy_accuracy(
-    engine,
-    tokenizer,
-    rows: Sequence[PromptRow],
-    prompt_ids: Sequence[list[int]],
-    scorer,
-    max_new_tokens: int,
-) -> EvalResult:
-    """Greedy answers to `rows` from `engine`, scored by `scorer` (a `SandboxedScorer`)."""
-    requests = [GenerationRequest(f"eval-{i}", ids) for i, ids in enumerate(prompt_ids)]
-    results = engine.generate(
-        requests, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    )
-    tasks, scores, hit = _scored(tokenizer, rows, results, scorer)
-    failed = [s for s in scores if s.status in UNSCORED]
-    return EvalResult(
-        accuracy=sum(hit) / max(len(rows), 1),
-        unscored=dict(Counter(s.status for s in failed)),
-        first_reason=failed[0].reason if failed else "",
-        misses=[
-            (i, task.response, score)
-            for i, (task, score, ok) in enumerate(zip(tasks, scores, hit, strict=True))
-            if not ok
-        ],
-    )
-
-
-def sampled_accuracy(
-    engine,
-    tokenizer,
-    rows: Sequence[PromptRow],
-    prompt_ids: Sequence[list[int]],
-    scorer,
-    max_new_tokens: int,
-    *,
-    samples: int,
-    temperature: float,
-    seed: int = 0,
-    advance: Callable[[int], None] = lambda n: None,
-) -> SampledResult:
-    """`samples` answers to each of `rows` drawn at `temperature`, scored by `scorer`; one
-    round (every prompt once) at a time, calling `advance(1)` after each."""
-    if samples < 1 or temperature <= 0:
-        raise ValueError(
-            f"sampled evaluation needs samples >= 1 and temperature > 0; got samples={samples}, "
-            f"temperature={temperature}"
+    def sampled(
+        self,
+        samples: int,
+        temperature: float,
+        *,
+        seed: int = 0,
+        advance: Callable[[int], None] = lambda n: None,
+    ) -> SampledResult:
+        """`samples` answers to every row drawn at `temperature`, scored; one round (every
+        prompt once) at a time, calling `advance(1)` after each."""
+        if samples < 1 or temperature <= 0:
+            raise ValueError(
+                "sampled evaluation needs samples >= 1 and temperature > 0; got "
+                f"samples={samples}, temperature={temperature}"
+            )
+        params = SamplingParams(
+            max_new_tokens=self.max_new_tokens, temperature=temperature, seed=seed
         )
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    correct = [0] * len(rows)
-    failed: list[RewardResult] = []
-    for k in range(samples):
-        # The request id seeds a request's sampling noise: a different one for every sample.
-        requests = [GenerationRequest(f"eval-{i}-{k}", ids) for i, ids in enumerate(prompt_ids)]
-        _, scores, hit = _scored(tokenizer, rows, engine.generate(requests, params), scorer)
-        correct = [c + h for c, h in zip(correct, hit, strict=True)]
-        failed += [s for s in scores if s.status in UNSCORED]
-        advance(1)
-    return SampledResult(
-        samples=samples,
-        temperature=temperature,
-        correct=correct,
-        unscored=dict(Counter(s.status for s in failed)),
-        first_reason=failed[0].reason if failed else "",
-    )
+        correct = [0] * len(self.rows)
+        failed: list[RewardResult] = []
+        for k in range(samples):
+            # The request id seeds a request's sampling noise: a different one for every sample.
+            requests = [
+                GenerationRequest(f"eval-{i}-{k}", ids) for i, ids in enumerate(self.prompt_ids)
+            ]
+            _, scores, hit = self._scored(self.engine.generate(requests, params))
+            correct = [c + h for c, h in zip(correct, hit, strict=True)]
+            failed += [s for s in scores if s.status in UNSCORED]
+            advance(1)
+        return SampledResult(
+            samples=samples,
+            temperature=temperature,
+            correct=correct,
+            unscored=dict(Counter(s.status for s in failed)),
+            first_reason=failed[0].reason if failed else "",
+        )
+
+    def _scored(self, results) -> tuple[list[ScoreTask], list[RewardResult], list[bool]]:
+        """(tasks, scores, hit) of one response per row; hit is reward >= 1 (correct)."""
+        tasks = [
+            ScoreTask(
+                self.tokenizer.decode(res.response_ids, skip_special_tokens=True),
+                row.answer,
+                row.extra,
+            )
+            for row, res in zip(self.rows, results, strict=True)
+        ]
+        scores = self.scorer.score(tasks)
+        hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
+        return tasks, scores, hit
