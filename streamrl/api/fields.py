@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
-| reward, reward_status, reward_reason | reward | float or None; ok / invalid_output / timeout / infra_error; text |
+| reward, reward_status, reward_reason, reward_components | reward | float or None; ok / invalid_output / timeout / infra_error; text; {name: float} (logged only) |
 | ref_logprobs | reference | per-token log-probs under the reference model |
 | old_logprobs, old_version | logp (pi_old) | per-token log-probs under the newest published policy; its version |
 | values | critic | per-token value estimates |
@@ -22,6 +22,7 @@ FINISH_REASON = "finish_reason"
 REWARD = "reward"
 REWARD_STATUS = "reward_status"
 REWARD_REASON = "reward_reason"
+REWARD_COMPONENTS = "reward_components"
 REF_LOGPROBS = "ref_logprobs"
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"
@@ -30,4 +31,4 @@ VALUES = "values"
 RETURNS = "returns"
 
 ROLLOUT_OUTPUTS = (RESPONSE_IDS, ROLLOUT_LOGPROBS, VERSIONS, FINISH_REASON)
-REWARD_OUTPUTS = (REWARD, REWARD_STATUS, REWARD_REASON)
+REWARD_OUTPUTS = (REWARD, REWARD_STATUS, REWARD_REASON, REWARD_COMPONENTS)

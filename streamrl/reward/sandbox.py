@@ -114,8 +114,8 @@ class SandboxedScorer:
                 results.append(RewardResult(None, "infra_error" if died else "timeout", reason))
                 self._kill()
                 continue
-            value, status, reason = json.loads(line)
-            results.append(RewardResult(value, status, reason))
+            value, status, reason, components = json.loads(line)
+            results.append(RewardResult(value, status, reason, components))
         return results
 
     def close(self) -> None:

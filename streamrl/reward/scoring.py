@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from streamrl.api.reward import RewardResult
@@ -45,9 +46,24 @@ def check_reward_signature(fn: Callable[..., Any], path: str) -> None:
 
 
 def to_result(value: Any) -> RewardResult:
-    """Normalise a reward function's return value; anything unusable is an infra_error, never 0."""
+    """Normalise a reward function's return value; anything unusable is an infra_error, never 0.
+
+    A number is the reward; a `RewardResult` is taken as it is; a mapping (veRL's form) holds
+    the reward under `score`, and its other entries that are numbers or booleans become the
+    result's components (other entries, such as text, are not logged)."""
     if isinstance(value, RewardResult):
         return value
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            return RewardResult(
+                None,
+                "infra_error",
+                f"reward returned a mapping without 'score' (keys: {', '.join(map(str, value))})",
+            )
+        result = to_result(value["score"])
+        parts = {str(k): _number(v) for k, v in value.items() if k != "score"}
+        parts = {k: v for k, v in parts.items() if v is not None and math.isfinite(v)}
+        return replace(result, components=parts) if result.status == "ok" else result
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy or torch scalar
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -57,6 +73,14 @@ def to_result(value: Any) -> RewardResult:
     if not math.isfinite(value):
         return RewardResult(None, "infra_error", f"reward returned {value}")
     return RewardResult.ok(float(value))
+
+
+def _number(value: Any) -> float | None:
+    """A component's value as a float: a number, a boolean (1 or 0), or a numpy/torch scalar
+    of either; else None."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def score_text(fn: Callable[..., Any], text: str, row: Any) -> RewardResult:

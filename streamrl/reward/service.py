@@ -40,6 +40,7 @@ def score_rows(
             F.REWARD: value,
             F.REWARD_STATUS: result.status,
             F.REWARD_REASON: result.reason,
+            F.REWARD_COMPONENTS: dict(result.components),
         }
     return updates
 

@@ -28,7 +28,8 @@ def main() -> None:
             result = to_result(fn(task["response"], task["answer"], **task["extra"]))
         except Exception as e:  # reported to the parent as infra_error, never swallowed
             result = RewardResult(None, "infra_error", f"{type(e).__name__}: {e}"[:200])
-        out.write(json.dumps([result.value, result.status, result.reason]).encode() + b"\n")
+        line = [result.value, result.status, result.reason, dict(result.components)]
+        out.write(json.dumps(line).encode() + b"\n")
         out.flush()
 
 

@@ -39,6 +39,7 @@ TRAIN_FIELDS = [
     F.FINISH_REASON,
     F.REWARD,
     F.REWARD_STATUS,
+    F.REWARD_COMPONENTS,
     F.ADVANTAGES,
 ]
 
@@ -51,6 +52,16 @@ def samples_digest(rows: Sequence[Mapping[str, Any]]) -> str:
     ):
         h.update(f"{sample_id}:{tokens};".encode())
     return h.hexdigest()[:16]
+
+
+def component_means(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """`reward_components/<name>`: the mean of each named reward component over the rows whose
+    reward reported it."""
+    parts: dict[str, list[float]] = {}
+    for r in rows:
+        for name, value in (r.get(F.REWARD_COMPONENTS) or {}).items():
+            parts.setdefault(name, []).append(float(value))
+    return {f"reward_components/{name}": sum(v) / len(v) for name, v in sorted(parts.items())}
 
 
 def is_zero(advantage: Any) -> bool:
@@ -127,6 +138,7 @@ class BatchTrainer:
         metrics: dict[str, Any] = {f"train/{k}": v for k, v in out.items()}
         reward = summarize(rewards)
         metrics.update({"reward/mean": reward["mean"], "reward/std": reward["std"]})
+        metrics.update(component_means(rows))
         metrics["response/length_mean"] = summarize(lengths)["mean"]
         metrics["response/tokens"] = sum(lengths)
         metrics["response/truncated_frac"] = sum(

@@ -54,6 +54,11 @@ def test_a_verl_parquet_file_trains_with_the_math_reward(tmp_path):
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
     # No sample dropped: every row's keys reached the reward intact (it raises otherwise).
     assert [m["samples/dropped"] for m in steps] == [0, 0]
+    # The mapping's other numbers are logged as components, its text is not.
+    for m in steps:
+        assert m["reward_components/acc"] == pytest.approx(m["reward/mean"])
+        assert 0 <= m["reward_components/answered"] <= 1
+        assert "reward_components/pred" not in m
     evals = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in m]
     assert [m["eval/unscored"] for m in evals] == [0, 0]
 

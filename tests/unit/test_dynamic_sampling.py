@@ -210,6 +210,7 @@ def score(bus: LocalBus, gid: str, rewards: list[float]) -> None:
                 F.FINISH_REASON: "stop",
                 F.REWARD: reward,
                 F.REWARD_STATUS: "ok",
+                F.REWARD_COMPONENTS: {},
                 F.ADVANTAGES: (reward - 0.5) if signal else None,
             }
             for k, reward in enumerate(rewards)

@@ -59,6 +59,11 @@ REWARDS_SOURCE = textwrap.dedent(
 
     def text(response, answer):
         return "1.0"
+
+
+    def parts(response, answer):
+        right = response == answer
+        return {"score": right + 0.1, "acc": right, "format": 1, "pred": response}
     """
 )
 
@@ -140,6 +145,20 @@ def test_to_result_turns_unusable_values_into_infra_error(value: object) -> None
     assert result.reason.startswith("reward returned")
 
 
+def test_to_result_reads_verls_mapping_its_score_and_numbers_as_components() -> None:
+    import numpy as np
+
+    result = to_result({"score": 1.1, "acc": True, "format": np.float32(0.5), "pred": "42"})
+    assert result == RewardResult(1.1, "ok", "", {"acc": 1.0, "format": 0.5})
+    assert to_result({"score": 0}) == RewardResult.ok(0.0)
+    assert to_result({"score": 0.5, "x": math.nan}).components == {}  # not finite: left out
+    missing = to_result({"acc": 1.0, "pred": "42"})
+    assert (missing.status, missing.value) == ("infra_error", None)
+    assert missing.reason == "reward returned a mapping without 'score' (keys: acc, pred)"
+    bad = to_result({"score": "1.0", "acc": 1.0})  # the score is held to a number's rules
+    assert bad.status == "infra_error" and bad.components == {}
+
+
 def test_score_text_reports_exceptions() -> None:
     row = SimpleNamespace(answer="3", extra={"bonus": 2})
 
@@ -183,6 +202,28 @@ def test_sandbox_passes_reward_results_through(rewards_module: str, make_scorer)
         RewardResult(None, "invalid_output", "not an answer"),
         RewardResult.ok(0.25),
     ]
+
+
+def test_sandbox_passes_reward_components_through(rewards_module: str, make_scorer) -> None:
+    scorer = make_scorer(f"{rewards_module}:parts")
+    assert scorer.score([ScoreTask("12", "12"), ScoreTask("11", "12")]) == [
+        RewardResult(1.1, "ok", "", {"acc": 1.0, "format": 1.0}),
+        RewardResult(0.1, "ok", "", {"acc": 0.0, "format": 1.0}),
+    ]
+
+
+def test_step_metrics_average_each_component_over_the_rows_that_report_it() -> None:
+    from streamrl.trainer.service import component_means
+
+    rows = [
+        {F.REWARD_COMPONENTS: {"acc": 1.0, "format": 1.0}},
+        {F.REWARD_COMPONENTS: {"acc": 0.0}},
+        {F.REWARD_COMPONENTS: {}},  # a reward without components, or a dropped sample
+    ]
+    assert component_means(rows) == {
+        "reward_components/acc": 0.5,
+        "reward_components/format": 1.0,
+    }
 
 
 def test_sandbox_normalises_bad_return_values(rewards_module: str, make_scorer) -> None:
@@ -239,7 +280,12 @@ def test_score_rows_decodes_scores_and_applies_the_invalid_penalty(
     ]
     scorer = make_scorer("streamrl.reward.rule:arith_exact_match")
     updates = score_rows(scorer, tokenizer, rows, penalty)
-    assert updates["right"] == {F.REWARD: 1.0, F.REWARD_STATUS: "ok", F.REWARD_REASON: ""}
+    assert updates["right"] == {
+        F.REWARD: 1.0,
+        F.REWARD_STATUS: "ok",
+        F.REWARD_REASON: "",
+        F.REWARD_COMPONENTS: {},
+    }
     assert updates["wrong"][F.REWARD] == 0.0
     assert updates["cut"][F.REWARD] == penalty
     assert updates["cut"][F.REWARD_STATUS] == "invalid_output"
