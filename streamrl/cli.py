@@ -5,7 +5,7 @@
     streamrl logs RUN_DIR [ROLE] [-n N]
     streamrl scale RUN_DIR ROLE=N
     streamrl stop RUN_DIR
-    streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N] [--samples K [--temperature T]]
+    streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N] [--samples K [--temperature T]] [--json]
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="T",
         help="sampling temperature of --samples (default: the run's rollout.temperature)",
+    )
+    evaluate.add_argument(
+        "--json",
+        action="store_true",
+        help="print the figures as one JSON object (accuracy, pass_at, ...) instead of text",
     )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -230,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                 samples=args.samples,
                 temperature=args.temperature,
             )
+            if args.json:
+                print(json.dumps(evaluation.as_dict()))
+                return 0
             if args.show:
                 print(evaluation.misses(args.show))
             print(evaluation.report())

@@ -16,11 +16,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+
 from streamrl.config import Config, ConfigError, load_config
 from streamrl.config.preflight import check_paths
 from streamrl.data.dataset import PromptRow
 from streamrl.metrics.progress import phase
-from streamrl.trainer.evaluate import EvalResult, SampledResult
+from streamrl.trainer.evaluate import EvalResult, SampledResult, report_ks
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,24 @@ class Evaluation:
                 + (f" ({score.reason})" if score.reason else "")
             )
         return "\n".join(blocks)
+
+    def as_dict(self) -> dict:
+        """The figures as JSON-able values (`streamrl eval --json`)."""
+        r, out = self.result, {}
+        out.update(
+            model_dir=str(self.model_dir),
+            num_prompts=self.num_prompts,
+            accuracy=r.accuracy,
+            unscored=dict(r.unscored),
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            reward=self.cfg.reward.function,
+        )
+        if self.sampled is not None:
+            out["samples"] = self.sampled.samples
+            out["temperature"] = self.sampled.temperature
+            out["pass_at"] = {k: self.sampled.pass_at(k) for k in report_ks(self.sampled.samples)}
+            out["sampled_unscored"] = dict(self.sampled.unscored)
+        return out
 
     def report(self) -> str:
         r = self.result
@@ -104,7 +124,9 @@ def evaluate(
         try:
             result = evaluator.evaluate()
             if samples:
-                with phase(f"sampling {samples} answers a prompt", total=samples) as advance:
+                # On stderr: stdout is for the figures (`--json` prints nothing else there).
+                label = f"sampling {samples} answers a prompt"
+                with phase(label, total=samples, console=Console(stderr=True)) as advance:
                     sampled = evaluator.sample(samples, temperature, advance)
         finally:
             evaluator.close()
