@@ -59,7 +59,8 @@ class DataConfig(Section):
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
-    """JSONL (or `.parquet`) file of {"prompt", "answer"} rows; None uses the built-in task."""
+    """File of {"prompt", "answer"} rows: JSON lines (.jsonl, .json), a JSON array (.json),
+    Parquet, or a folder of such files; None uses the built-in task."""
     eval_file: str | None = None
     """File of held-out rows, as `train_file`. None: with `train_file`, rows held out from it
     (min(num_eval, a tenth of it), picked by `seed`); else the built-in task's held-out split."""

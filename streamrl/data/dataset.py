@@ -1,4 +1,5 @@
-"""Prompt datasets: the built-in task or a user's file (JSONL or Parquet), validated row by row.
+"""Prompt datasets: the built-in task or a user's files (JSON lines, a JSON array, Parquet, or a
+folder of them), validated row by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
@@ -147,23 +148,35 @@ _RECENT: dict[tuple, LoadReport] = {}
 _RECENT_KEPT = 2
 
 
+# What a data file may be, by suffix: JSON lines (.json may also hold one JSON array of
+# records), or Parquet.
+SUFFIXES = (".jsonl", ".json", ".parquet")
+FORMATS_TEXT = (
+    "JSON lines (.jsonl or .json), a JSON array of records (.json), Parquet (.parquet), or a "
+    "folder of such files (shards, read in name order)"
+)
+
+
 def load_rows(
     path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
 ) -> LoadReport:
-    """Read a prompt file, JSONL or Parquet (by its suffix), skipping (and reporting)
-    malformed rows, each named by its line (JSONL) or row number (Parquet, from 1). A file
+    """Read a prompt file (`FORMATS_TEXT`), skipping (and reporting) malformed rows, each named
+    by its file and line (JSON lines) or record number (a JSON array, Parquet: from 1). A file
     read before and unchanged since is not read again; its problems are reported again."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, prompt_key, answer_key)
-    report = _RECENT.get(key)
-    if report is None:
-        report = _read_rows(path, prompt_key, answer_key)
-        _RECENT[key] = report
-        while len(_RECENT) > _RECENT_KEPT:
-            del _RECENT[next(iter(_RECENT))]
+    report = LoadReport(rows=[])
+    for file in data_files(path):
+        stat = file.stat()
+        key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, prompt_key, answer_key)
+        part = _RECENT.get(key)
+        if part is None:
+            part = _read_rows(file, prompt_key, answer_key)
+            _RECENT[key] = part
+            while len(_RECENT) > _RECENT_KEPT:
+                del _RECENT[next(iter(_RECENT))]
+        report.rows += part.rows
+        report.num_skipped += part.num_skipped
+        report.problems += part.problems
     for msg in report.problems[:MAX_WARNINGS]:
         log.warning(msg)
     if report.num_skipped > MAX_WARNINGS:
@@ -178,15 +191,35 @@ def load_rows(
         raise ValueError(
             f"dataset {str(path)!r} has no valid row ({report.num_skipped} malformed{first})"
         )
-    return LoadReport(list(report.rows), report.num_skipped, list(report.problems))
+    return report
+
+
+def data_files(path: Path) -> list[Path]:
+    """The files `path` names: itself, or the data files under a folder, in name order."""
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+        if not files:
+            raise ValueError(
+                f"dataset folder {str(path)!r} holds no data file; streamrl reads "
+                f"{FORMATS_TEXT} (a `datasets` folder from save_to_disk: write it out with "
+                "Dataset.to_parquet('train.parquet') first)"
+            )
+        return files
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix not in SUFFIXES:
+        raise ValueError(f"dataset file {str(path)!r}: streamrl reads {FORMATS_TEXT}")
+    return [path]
 
 
 def _read_rows(path: Path, prompt_key: str, answer_key: str) -> LoadReport:
     report = LoadReport(rows=[])
-    parquet = path.suffix == ".parquet"
-    records, decode = (
-        (_parquet_records(path), dict) if parquet else (_jsonl_lines(path), json.loads)
-    )
+    if path.suffix == ".parquet":
+        records, decode = _parquet_records(path), dict
+    elif _starts_with(path, "["):
+        records, decode = _json_array(path), _as_is
+    else:
+        records, decode = _jsonl_lines(path), json.loads
     for where, record in records:
         try:
             report.rows.append(parse_row(decode(record), prompt_key, answer_key))
@@ -202,6 +235,33 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
                 yield line_no, line
+
+
+def _as_is(record: Any) -> Any:
+    return record
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    """Whether the file's first character that is not white space is `char`."""
+    with path.open() as f:
+        while chunk := f.read(4096):
+            text = chunk.lstrip()
+            if text:
+                return text[0] == char
+    return False
+
+
+def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
+    """(record number, record) of a file holding one JSON array."""
+    try:
+        records = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset file {str(path)!r} is not a JSON array: {e}") from None
+    if not isinstance(records, list):
+        raise ValueError(
+            f"dataset file {str(path)!r} holds a JSON {type(records).__name__}, not an array"
+        )
+    yield from enumerate(records, start=1)
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:

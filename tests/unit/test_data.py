@@ -123,6 +123,52 @@ def test_load_jsonl_reports_the_first_malformed_rows_and_counts_the_rest(
     assert messages[-1] == f"{path}: {25 - MAX_WARNINGS} more malformed rows skipped (25 in all)"
 
 
+def test_a_json_file_may_hold_json_lines_or_one_array_of_records(tmp_path: Path) -> None:
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4}\n')
+    assert [(r.prompt, r.answer) for r in load_rows(lines).rows] == [("1+1=", "2"), ("2+2=", "4")]
+    array = tmp_path / "array.json"
+    array.write_text('\n [{"prompt": "1+1=", "answer": "2", "level": 1}, 7]')
+    report = load_rows(array)
+    assert [(r.prompt, r.extra) for r in report.rows] == [("1+1=", {"level": 1})]
+    assert report.problems == [
+        f"{array}:2: skipped malformed row: expected an object with 'prompt' and 'answer', got int"
+    ]
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "1+1="')
+    with pytest.raises(ValueError, match="broken.json' is not a JSON array: "):
+        load_rows(broken)
+
+
+def test_a_folder_of_shards_reads_every_data_file_in_name_order(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "train-00001.jsonl").write_text('{"prompt": "q2", "answer": "2"}\n')
+    (tmp_path / "a-00000.jsonl").write_text('{"prompt": "q1", "answer": "1"}\noops\n')
+    (tmp_path / "README.md").write_text("not data")
+    report = load_rows(tmp_path)
+    assert [r.prompt for r in report.rows] == ["q1", "q2"]
+    assert report.problems == [
+        f"{tmp_path / 'a-00000.jsonl'}:2: skipped malformed row: "
+        "Expecting value: line 1 column 1 (char 0)"
+    ]
+
+
+def test_a_folder_without_data_or_a_file_of_another_kind_is_refused_saying_what_is_read(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "dataset_dict.json.lock").write_text("")  # a `datasets` save_to_disk folder
+    with pytest.raises(
+        ValueError, match=r"holds no data file; streamrl reads JSON lines .*to_parquet"
+    ):
+        load_rows(tmp_path)
+    table = tmp_path / "train.csv"
+    table.write_text("prompt,answer\n1+1=,2\n")
+    with pytest.raises(
+        ValueError, match=r"train.csv': streamrl reads JSON lines \(.jsonl or .json\)"
+    ):
+        load_rows(table)
+
+
 def test_a_file_read_again_unchanged_is_not_reparsed_but_reports_its_problems_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
