@@ -359,7 +359,7 @@ def test_lengths_of_conversations_over_a_limit_are_the_exact_encoded_lengths(tur
 
 
 def test_a_verl_parquet_file_loads_with_its_own_keys(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # a base dependency
     import pyarrow.parquet as pq
 
     # The shape of veRL's GSM8K files: a conversation prompt, the answer in a nested record.
