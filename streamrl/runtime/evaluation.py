@@ -53,15 +53,14 @@ class Evaluation:
 
     def as_dict(self) -> dict:
         """The figures as JSON-able values (`streamrl eval --json`)."""
-        r, out = self.result, {}
-        out.update(
-            model_dir=str(self.model_dir),
-            num_prompts=self.num_prompts,
-            accuracy=r.accuracy,
-            unscored=dict(r.unscored),
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            reward=self.cfg.reward.function,
-        )
+        out = {
+            "model_dir": str(self.model_dir),
+            "num_prompts": self.num_prompts,
+            "accuracy": self.result.accuracy,
+            "unscored": dict(self.result.unscored),
+            "max_new_tokens": self.cfg.rollout.max_new_tokens,
+            "reward": self.cfg.reward.function,
+        }
         if self.sampled is not None:
             out["samples"] = self.sampled.samples
             out["temperature"] = self.sampled.temperature
