@@ -331,6 +331,12 @@ class TrainerConfig(Section):
     """Optimizer steps (policy versions) to train."""
     eval_every: int = Field(20, ge=0)
     """Evaluate held-out greedy accuracy every this many steps (0: only at start and end)."""
+    eval_samples: int = Field(0, ge=0)
+    """Also sample this many answers to each held-out prompt at every evaluation and log
+    `eval/pass@k` for k = 1, 2, 4, ... up to it (pass@1 is the mean accuracy of one sample:
+    veRL's mean@N). 0: greedy accuracy only. Costs this many more generations per evaluation."""
+    eval_temperature: float | None = Field(None, gt=0)
+    """Sampling temperature of `eval_samples` (None: `rollout.temperature`)."""
     checkpoint_every: int = Field(20, ge=0)
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     threads: int | None = Field(None, ge=1)

@@ -296,18 +296,24 @@ class Evaluator:
     def evaluate(self) -> EvalResult:
         self.held_out.engine.model.eval()
         result = self.held_out.greedy()
-        if result.unscored:
+        self._warn_unscored(len(self.held_out.rows), result.unscored_text())
+        return result
+
+    @staticmethod
+    def _warn_unscored(num: int, unscored_text: str) -> None:
+        if unscored_text:
             log.warning(
                 "held-out evaluation of %d responses: %s; counted as not correct",
-                len(self.held_out.rows),
-                result.unscored_text(),
+                num,
+                unscored_text,
             )
-        return result
 
     def sample(self, samples: int, temperature: float, advance=lambda n: None) -> SampledResult:
         """pass@k of the held-out prompts from `samples` answers each at `temperature`."""
         self.held_out.engine.model.eval()
-        return self.held_out.sampled(samples, temperature, seed=self.seed, advance=advance)
+        result = self.held_out.sampled(samples, temperature, seed=self.seed, advance=advance)
+        self._warn_unscored(samples * len(self.held_out.rows), result.unscored_text())
+        return result
 
     def accuracy(self) -> float:
         return self.evaluate().accuracy

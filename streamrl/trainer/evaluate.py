@@ -83,8 +83,12 @@ class SampledResult:
         figures = ", ".join(f"pass@{k} {self.pass_at(k):.4f}" for k in report_ks(self.samples))
         line = f"{figures} ({self.samples} samples a prompt at temperature {self.temperature:g})"
         if self.unscored:
-            line += "; " + _unscored_text(self.unscored, self.first_reason)
+            line += "; " + self.unscored_text()
         return line
+
+    def unscored_text(self) -> str:
+        """`N not scored (timeout 2, ...; the first: REASON)`, or '' if none."""
+        return _unscored_text(self.unscored, self.first_reason) if self.unscored else ""
 
 
 def _unscored_text(unscored: dict[str, int], first_reason: str) -> str:

@@ -22,6 +22,7 @@ from streamrl.runtime.components import Evaluator
 from streamrl.runtime.context import RunContext
 from streamrl.runtime.control import stop_requested
 from streamrl.trainer.checkpoint import save_checkpoint
+from streamrl.trainer.evaluate import report_ks
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,20 @@ class TrainerHooks:
     def _evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
         result = self.evaluator.evaluate()
-        return {
+        metrics = {
             "eval/accuracy": result.accuracy,
             "eval/unscored": sum(result.unscored.values()),
-            "time/eval_s": time.perf_counter() - start,
         }
+        t = self.ctx.cfg.trainer
+        if t.eval_samples:
+            temperature = t.eval_temperature or self.ctx.cfg.rollout.temperature
+            sampled = self.evaluator.sample(t.eval_samples, temperature)
+            metrics.update(
+                {f"eval/pass@{k}": sampled.pass_at(k) for k in report_ks(sampled.samples)}
+            )
+            metrics["eval/unscored"] += sum(sampled.unscored.values())
+        metrics["time/eval_s"] = time.perf_counter() - start
+        return metrics
 
     def after_step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Called after optimizer step; adds eval results, writes a checkpoint when due."""

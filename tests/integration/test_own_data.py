@@ -1,7 +1,8 @@
 """A user's own model, data and reward end to end, in the layout another framework left them:
 a Parquet file shaped like veRL's (a conversation prompt, the answer under
 reward_model.ground_truth, more keys for the reward), a system prompt added by the config, the
-math-verify reward, every role its own Ray process; then `streamrl eval` of the result."""
+math-verify reward, every role its own Ray process, pass@k at each evaluation; then `streamrl
+eval` of the result."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_a_verl_parquet_file_trains_with_the_math_reward(tmp_path):
             "reward.function=tests.integration.verl_reward:verl_style",
             "runtime.mode=ray",
             "trainer.steps=2",
+            "trainer.eval_samples=2",
             f"run.run_dir={run_dir}",
         ]
     )
@@ -61,6 +63,8 @@ def test_a_verl_parquet_file_trains_with_the_math_reward(tmp_path):
         assert "reward_components/pred" not in m
     evals = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in m]
     assert [m["eval/unscored"] for m in evals] == [0, 0]
+    # Each evaluation also sampled two answers a prompt: pass@1 <= pass@2.
+    assert all(0 <= m["eval/pass@1"] <= m["eval/pass@2"] <= 1 for m in evals), evals
 
     said = run_cli(["eval", str(run_dir)]).stdout
     assert f"held-out accuracy {summary['final_eval_accuracy']:.4f} (" in said, said
