@@ -25,6 +25,20 @@ from streamrl.config import ConfigError, dump_yaml, load_config
 from streamrl.config.preflight import check_paths, check_same_data_order, finished
 
 
+def exit_at_once(code: int) -> None:
+    """End the process now, after Ray (if this process started it) and the logs. A second
+    Ctrl-C can arrive while role threads (threads mode) are still inside torch kernels; letting
+    the interpreter finalize under them made the process abort (C++ "terminate called without
+    an active exception", exit -6) instead of exiting with `code`."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl", description="Asynchronous, streaming RL post-training."
@@ -271,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, resume=resume)
     except KeyboardInterrupt:  # a second Ctrl-C; the controller said how to resume
-        return 130
+        exit_at_once(130)
     except RoleError as e:  # its traceback is in the role's log and logs/controller.log
         print(f"streamrl: {e}", file=sys.stderr)
         return 1
