@@ -278,6 +278,10 @@ class Supervisor:
                 ray.kill(actor)
             except Exception:
                 pass
+        # Until they are gone: a role still in its constructor (the run failed while another
+        # was being built) outlived the kill, and Ray's shutdown then made it abort (SIGABRT).
+        for actor in self.actors.values():
+            _wait_gone(actor)
         self._stopped = True
         self.write_status()
 
