@@ -275,6 +275,12 @@ class AlgorithmConfig(Section):
     overlong_cache: int | None = Field(None, ge=0)
     """DAPO soft overlong penalty: ramp from 0 to -1 over the last this many tokens before
     rollout.max_new_tokens (None: off)."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: a response cut at rollout.max_new_tokens (finish reason
+    "length") is left out of the loss and of its normaliser, so a reasoning chain cut short is
+    not punished for being cut; its reward still counts in its group's advantages. Counted in
+    `samples/dropped_truncated`. TRL's `mask_truncated_completions`, ms-swift's
+    `overlong_filter`."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: a group whose rewards are all equal has no signal and is dropped
     (not trained, not in the normaliser), and generation continues until the step holds exactly

@@ -251,6 +251,7 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
         and not settings.kl_in_loss
         and settings.entropy_coef == 0,
         max_staleness=ctx.cfg.rollout.max_staleness,
+        mask_truncated=a.mask_truncated,
     )
 
 

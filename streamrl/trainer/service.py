@@ -72,10 +72,18 @@ def is_zero(advantage: Any) -> bool:
 class BatchTrainer:
     """Micro-batch accounting for one optimizer step; shared by the trainer role and the sync loop."""
 
-    def __init__(self, learner, *, skip_zero_advantage: bool, max_staleness: int | None):
+    def __init__(
+        self,
+        learner,
+        *,
+        skip_zero_advantage: bool,
+        max_staleness: int | None,
+        mask_truncated: bool = False,
+    ):
         self.learner = learner
         self.skip_zero_advantage = skip_zero_advantage
         self.max_staleness = max_staleness
+        self.mask_truncated = mask_truncated
         self._reset()
 
     def _reset(self) -> None:
@@ -105,6 +113,9 @@ class BatchTrainer:
                 continue
             if r[F.ADVANTAGES] is None:  # dynamic sampling: a group with no signal
                 self.dropped["zero_variance"] += 1
+                continue
+            if self.mask_truncated and r[F.FINISH_REASON] == "length":
+                self.dropped["truncated"] += 1  # overlong filtering: no loss, no normaliser share
                 continue
             self.trained_ids.append(r["sample_id"])
             if self.skip_zero_advantage and is_zero(r[F.ADVANTAGES]):

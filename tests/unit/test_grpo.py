@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from streamrl.api import fields as F
 from streamrl.models.loading import load_causal_lm
 from streamrl.trainer.algos.advantages import grpo_advantages
 from streamrl.trainer.algos.losses import AGGREGATIONS
@@ -21,7 +22,7 @@ from streamrl.trainer.algos.losses import aggregation_weights as token_weights
 from streamrl.trainer.algos.losses import batch_normaliser as loss_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.learner import Learner
-from streamrl.trainer.service import is_zero
+from streamrl.trainer.service import BatchTrainer, is_zero
 
 
 def group_advantages(rewards_g: torch.Tensor, std_eps: float = 1e-4) -> torch.Tensor:
@@ -287,6 +288,51 @@ def test_step_gradient_does_not_depend_on_micro_batches(
         # 1 / normaliser, on top of the parameters' own fp32 rounding.
         atol = 1e-6 + 1e-6 * max(1.0, float(g.abs().max())) / expected_normaliser
         torch.testing.assert_close(after_split[name], after_whole[name], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_mask_truncated_leaves_cut_responses_out_of_loss_and_normaliser(
+    model_dir: Path, loss_agg: str
+) -> None:
+    # DAPO's overlong filtering: the step is the step of the rows that finished, as if the
+    # truncated ones had never been sampled; without it they train like any other row.
+    rows = random_rows(7, seed=2)
+    for i, r in enumerate(rows):
+        r.update(
+            {
+                "sample_id": f"s{i}",
+                F.REWARD: 1.0,
+                F.REWARD_STATUS: "ok",
+                F.VERSIONS: [0] * len(r["response_ids"]),
+                F.FINISH_REASON: "length" if i in (0, 3) else "stop",
+            }
+        )
+    assert not is_zero(rows[0]["advantages"]) and not is_zero(rows[3]["advantages"])
+    finished = [r for i, r in enumerate(rows) if i not in (0, 3)]
+    masked = BatchTrainer(
+        make_learner(model_dir, loss_agg),
+        skip_zero_advantage=True,
+        max_staleness=0,
+        mask_truncated=True,
+    )
+    plain = BatchTrainer(
+        make_learner(model_dir, loss_agg), skip_zero_advantage=True, max_staleness=0
+    )
+    reference = make_learner(model_dir, loss_agg)
+    for part in (rows[:4], rows[4:]):
+        masked.train_microbatch(part)
+        plain.train_microbatch(part)
+    kept, share = skip_zero_advantage(finished, loss_agg)
+    reference.accumulate(kept, num_skipped_tokens=share)
+
+    assert masked.dropped == {"truncated": 2} and not plain.dropped
+    assert masked.trained_ids == [r["sample_id"] for r in finished]
+    assert len(plain.trained_ids) == len(rows)
+    assert masked.learner._normaliser == reference._normaliser < plain.learner._normaliser
+    expected = grads(reference)
+    for name, g in grads(masked.learner).items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(not torch.allclose(g, expected[name]) for name, g in grads(plain.learner).items())
 
 
 def test_a_compiled_learner_trains_like_the_eager_one(model_dir: Path) -> None:
