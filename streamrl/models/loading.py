@@ -6,15 +6,26 @@ instead of a download attempt.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+# Tokenizer classes that are the `tokenizers` library's tokenizer itself, with no class of their
+# own: `AutoTokenizer` would build this very class (the built-in model's tokenizer is one).
+_PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(model_dir: str | Path):
-    """Return the tokenizer saved in `model_dir`, left-padding (what batched decoding needs)."""
-    from transformers import AutoTokenizer
+    """Return the tokenizer saved in `model_dir`, left-padding (what batched decoding needs).
 
+    A plain `tokenizers` tokenizer is built by its class directly: importing `AutoTokenizer`
+    costs about 2.5 CPU-s more on a small CPU (its registry of every model's tokenizer), paid by
+    every role process of a run; any other tokenizer goes through `AutoTokenizer`."""
     _check_dir(model_dir)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if _tokenizer_class(model_dir) in _PLAIN_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
+    tok = tokenizer_class.from_pretrained(str(model_dir), local_files_only=True)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -34,6 +45,15 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
     )
     model.eval()
     return model
+
+
+def _tokenizer_class(model_dir: str | Path) -> str | None:
+    """The `tokenizer_class` of the directory's tokenizer_config.json, if it says one."""
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def _check_dir(model_dir: str | Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -110,6 +111,36 @@ def test_load_causal_lm_in_eval_mode_and_dtype(model_dir: Path) -> None:
 def test_load_tokenizer_pads_on_the_left(model_dir: Path) -> None:
     tok = load_tokenizer(model_dir)
     assert tok.padding_side == "left" and tok.pad_token_id is not None
+
+
+def test_a_plain_tokenizer_loads_as_autotokenizer_would_build_it(
+    model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # The built-in tokenizer skips AutoTokenizer's import and is the same tokenizer.
+    import shutil
+
+    import transformers
+
+    mine = load_tokenizer(model_dir)
+    auto = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(mine) is type(auto)
+    text = mine.apply_chat_template([{"role": "user", "content": "12+34="}], tokenize=False)
+    assert mine(text)["input_ids"] == auto(text)["input_ids"]
+    assert (mine.eos_token_id, mine.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
+    # Any other class goes through AutoTokenizer.
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "SomeModelTokenizer"})
+    )
+    called = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda path, **kw: called.append(path) or auto,
+    )
+    assert load_tokenizer(other) is auto and called == [str(other)]
 
 
 def test_loading_a_directory_without_config_says_why(tmp_path: Path) -> None:
