@@ -21,6 +21,33 @@ import pytest
 
 _exit_status: int | None = None
 
+# The longest test files, longest first (CI's `--durations` on a slow 2-core machine: each of
+# these holds a test of 100-340 s, most of them whole training jobs). They run before everything
+# else: with two xdist workers the suite ends when its last long test ends, and a worker that
+# runs out of work steals from the end of the other's queue, so the short tests fill in at the
+# end instead of one long test running alone there.
+LONGEST_FIRST = (
+    "integration/test_vllm_engine.py",
+    "integration/test_cluster.py",
+    "integration/test_demo_learns.py",
+    "integration/test_faults.py",
+    "integration/test_collective_channel.py",
+    "integration/test_kill_resume.py",
+    "integration/test_presets.py",
+    "integration/test_fsdp_trainer.py",
+    "integration/test_weight_channel.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next(
+            (i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: each file's tests, and the rest, keep their order
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
