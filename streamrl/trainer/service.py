@@ -69,6 +69,20 @@ def is_zero(advantage: Any) -> bool:
     return not np.any(np.asarray(advantage, dtype=np.float64))
 
 
+def untrained_step_message(step: int, num_rows: int, dropped: Mapping[str, int]) -> str:
+    """Why step `step` trained none of its `num_rows` samples, with what to change."""
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()))
+    hint = {
+        "truncated": "every response reached rollout.max_new_tokens under "
+        "algorithm.mask_truncated: raise the one or turn off the other",
+        "stale": "raise rollout.max_staleness or speed up the trainer",
+    }.get(max(dropped, key=dropped.get) if dropped else "", "see samples/dropped_<reason>")
+    return (
+        f"step {step} trained none of its {num_rows} samples (dropped: {reasons or 'none'}); "
+        f"{hint}. Said once; later such steps show in the metrics only."
+    )
+
+
 class BatchTrainer:
     """Micro-batch accounting for one optimizer step; shared by the trainer role and the sync loop."""
 
@@ -84,6 +98,7 @@ class BatchTrainer:
         self.skip_zero_advantage = skip_zero_advantage
         self.max_staleness = max_staleness
         self.mask_truncated = mask_truncated
+        self.warned_untrained = False  # the first step that trains no sample says why, once
         self._reset()
 
     def _reset(self) -> None:
@@ -170,6 +185,9 @@ class BatchTrainer:
         ) / max(len(rows), 1)
         metrics["time/trainer_busy_s"] = self.busy_s
         trained_ids = self.trained_ids
+        if rows and not trained_ids and not self.warned_untrained:
+            self.warned_untrained = True
+            log.warning(untrained_step_message(self.learner.version, len(rows), self.dropped))
         digest = samples_digest(rows)
         self._reset()
         return {"metrics": metrics, "trained_ids": trained_ids, "samples_digest": digest}

@@ -335,6 +335,33 @@ def test_mask_truncated_leaves_cut_responses_out_of_loss_and_normaliser(
     assert any(not torch.allclose(g, expected[name]) for name, g in grads(plain.learner).items())
 
 
+def test_a_step_that_trains_nothing_says_why_once(model_dir: Path, caplog) -> None:
+    trainer = BatchTrainer(
+        make_learner(model_dir), skip_zero_advantage=True, max_staleness=0, mask_truncated=True
+    )
+    for _ in range(2):
+        rows = random_rows(3)
+        for i, r in enumerate(rows):
+            r.update(
+                {
+                    "sample_id": f"s{i}",
+                    F.REWARD: 1.0,
+                    F.REWARD_STATUS: "ok",
+                    F.VERSIONS: [trainer.learner.version] * len(r["response_ids"]),
+                    F.FINISH_REASON: "length",
+                }
+            )
+        trainer.train_microbatch(rows)
+        record = trainer.finish()
+        assert record["trained_ids"] == [] and record["metrics"]["samples/dropped_truncated"] == 3
+    warnings = [r.getMessage() for r in caplog.records if "trained none" in r.getMessage()]
+    assert warnings == [
+        "step 1 trained none of its 3 samples (dropped: truncated 3); every response reached "
+        "rollout.max_new_tokens under algorithm.mask_truncated: raise the one or turn off the "
+        "other. Said once; later such steps show in the metrics only."
+    ]
+
+
 def test_a_compiled_learner_trains_like_the_eager_one(model_dir: Path) -> None:
     # trainer.compile: the same gradients, losses and updates, over micro-batches of different
     # shapes (dynamic shapes: one compilation serves them all), with the model itself untouched
