@@ -6,8 +6,7 @@ import pytest
 
 from streamrl.api.reward import RewardResult
 from streamrl.reward.choice import chosen_letter, multiple_choice
-from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
-from streamrl.reward.scoring import check_reward_signature, resolve_callable
+from tests.unit.test_math_reward import sandbox_values
 
 CHOSEN = [
     ("Reasoning... so the result is \\boxed{C}", "C"),
@@ -63,11 +62,5 @@ def test_a_reference_that_is_not_a_letter_is_reported_not_scored(answer: str) ->
 
 
 def test_it_scores_in_the_sandbox_worker() -> None:
-    path = "streamrl.reward.choice:multiple_choice"
-    check_reward_signature(resolve_callable(path), path)
-    scorer = SandboxedScorer(path, timeout_s=30)
-    try:
-        results = scorer.score([ScoreTask("Answer: (B)", "B"), ScoreTask("Answer: A", "B")])
-        assert [r.value for r in results] == [1.0, 0.0]
-    finally:
-        scorer.close()
+    pairs = [("Answer: (B)", "B"), ("Answer: A", "B")]
+    assert sandbox_values("streamrl.reward.choice:multiple_choice", pairs) == [1.0, 0.0]

@@ -7,7 +7,7 @@ import pytest
 from streamrl.api.reward import RewardResult
 from streamrl.reward.math_answer import math_answer
 from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
-from streamrl.reward.scoring import check_reward_signature
+from streamrl.reward.scoring import check_reward_signature, resolve_callable
 
 CASES = [
     ("The answer is \\boxed{\\frac12}.", "\\frac{1}{2}", 1.0),
@@ -36,14 +36,18 @@ def test_an_unreadable_reference_answer_is_reported_not_scored() -> None:
     assert result.status == "infra_error" and "cannot read the answer" in result.reason
 
 
-def test_it_scores_in_the_sandbox_worker() -> None:
-    path = "streamrl.reward.math_answer:math_answer"
-    from streamrl.reward.scoring import resolve_callable
-
+def sandbox_values(path: str, pairs) -> list[float | None]:
+    """The reward `path` of (response, answer) pairs as a run computes it: its signature
+    checked, scored in the sandbox worker."""
     check_reward_signature(resolve_callable(path), path)
     scorer = SandboxedScorer(path, timeout_s=30)
     try:
-        tasks = [ScoreTask(response, str(answer)) for response, answer, _ in CASES]
-        assert [r.value for r in scorer.score(tasks)] == [value for *_, value in CASES]
+        return [r.value for r in scorer.score([ScoreTask(r, str(a)) for r, a in pairs])]
     finally:
         scorer.close()
+
+
+def test_it_scores_in_the_sandbox_worker() -> None:
+    pairs = [(response, answer) for response, answer, _ in CASES]
+    values = sandbox_values("streamrl.reward.math_answer:math_answer", pairs)
+    assert values == [value for *_, value in CASES]
