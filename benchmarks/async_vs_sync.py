@@ -42,6 +42,9 @@ def run(mode: str, run_dir: Path, extra: list[str]) -> dict:
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     with_threads = "--with-threads" in sys.argv[1:]
     extra = [arg for arg in sys.argv[1:] if arg != "--with-threads"]
     with tempfile.TemporaryDirectory() as tmp:
