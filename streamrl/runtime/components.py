@@ -1,6 +1,8 @@
 """Building a role's heavy parts (model, engine, learner, scorer) from the run context.
 
 Each process builds its own; the same functions serve the sync loop, inline mode and Ray actors.
+Torch and the modules built on it are imported by the functions that build with them: the
+feeder's and the reward's processes never load torch (about 2 CPU-s each at start-up).
 """
 
 from __future__ import annotations
@@ -9,33 +11,32 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-import torch
-
 from streamrl.api import fields as F
 from streamrl.api.engine import SamplingParams
 from streamrl.config.schema import Config
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm, load_tokenizer
-from streamrl.models.onednn import configure_linears, resolve_onednn
 from streamrl.reward.sandbox import SandboxedScorer
-from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.runtime.context import RunContext
-from streamrl.trainer.advantage import AdvantageSettings
-from streamrl.trainer.algos.objective import LossSettings
 from streamrl.trainer.evaluate import EvalResult, HeldOut, SampledResult
-from streamrl.trainer.learner import Learner
-from streamrl.trainer.service import BatchTrainer
 
 if TYPE_CHECKING:
+    from streamrl.rollout.builtin_engine import BuiltinEngine
     from streamrl.rollout.sglang_engine import SglangEngine
     from streamrl.rollout.vllm_engine import VllmEngine
+    from streamrl.trainer.advantage import AdvantageSettings
+    from streamrl.trainer.algos.objective import LossSettings
+    from streamrl.trainer.learner import Learner
     from streamrl.trainer.ranks import RankedLearner
+    from streamrl.trainer.service import BatchTrainer
 
 log = logging.getLogger(__name__)
 
 
 def set_threads(num: int) -> None:
+    import torch
+
     torch.set_num_threads(num)
 
 
@@ -55,6 +56,8 @@ def batches_per_step(cfg: Config) -> int:
 
 
 def loss_settings(cfg: Config) -> LossSettings:
+    from streamrl.trainer.algos.objective import LossSettings
+
     a = cfg.algorithm
     return LossSettings(
         policy_loss=a.policy_loss,
@@ -77,6 +80,8 @@ def loss_settings(cfg: Config) -> LossSettings:
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
+    from streamrl.trainer.advantage import AdvantageSettings
+
     a = cfg.algorithm
     return AdvantageSettings(
         estimator=a.advantage,
@@ -130,6 +135,9 @@ def make_engine(ctx: RunContext, model=None) -> BuiltinEngine | VllmEngine | Sgl
         from streamrl.rollout.sglang_engine import make_sglang_engine
 
         return make_sglang_engine(ctx)
+    from streamrl.models.onednn import resolve_onednn
+    from streamrl.rollout.builtin_engine import BuiltinEngine
+
     tok = load_tokenizer(ctx.policy_dir)
     if model is None:
         model = load_policy_model(ctx, "rollout.device")
@@ -177,6 +185,8 @@ def sampling_params(ctx: RunContext) -> SamplingParams:
 
 def resolve_device(key: str, device: str) -> str:
     """A device setting (`key` names it in errors) resolved: `auto` is a GPU when torch sees one."""
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -189,6 +199,8 @@ def load_policy_model(ctx: RunContext, device_key: str = "trainer.device", *, on
     names (the trainer, reference and pi_old models use `trainer.device`, the builtin engine
     `rollout.device`). Every role loads its model through here. `onednn=False` keeps PyTorch's
     own linears whatever `model.onednn_linears` says (a compiled trainer)."""
+    from streamrl.models.onednn import configure_linears
+
     section, field = device_key.split(".")
     device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
     model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
@@ -199,6 +211,10 @@ def load_policy_model(ctx: RunContext, device_key: str = "trainer.device", *, on
 
 def make_learner(ctx: RunContext) -> Learner | RankedLearner:
     """The policy learner: in this process, or rank 0 of `trainer.world_size` FSDP2 ranks."""
+    import torch
+
+    from streamrl.trainer.learner import Learner
+
     a, t = ctx.cfg.algorithm, ctx.cfg.trainer
     torch.manual_seed(ctx.cfg.run.seed)
     settings = loss_settings(ctx.cfg)
@@ -241,6 +257,8 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
 
 
 def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
+    from streamrl.trainer.service import BatchTrainer
+
     a = ctx.cfg.algorithm
     learner = make_learner(ctx)
     settings = learner.settings
@@ -256,7 +274,10 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
 
 
 def make_critic(ctx: RunContext):
+    import torch
+
     from streamrl.critic.service import Critic, load_value_model
+    from streamrl.models.onednn import configure_linears
 
     c = ctx.cfg.critic
     torch.manual_seed(ctx.cfg.run.seed)

@@ -83,18 +83,20 @@ class RoleActor:
         log_sink=None,
     ):
         from streamrl.runtime.components import set_threads
-        from streamrl.runtime.roles import build_role
+        from streamrl.runtime.roles import TORCHLESS_ROLES, build_role
 
         self.log_handler = attach_role_log(log_sink, name) if log_sink is not None else None
+        uses_torch = base_role(name) not in TORCHLESS_ROLES
         log.info(
-            "%s: starting (pid %d, start step %d, %d torch threads)",
+            "%s: starting (pid %d, start step %d, %s)",
             name,
             os.getpid(),
             start_step,
-            threads,
+            f"{threads} torch threads" if uses_torch else "no torch",
         )
         t0 = time.perf_counter()
-        set_threads(threads)
+        if uses_torch:  # importing torch costs a role process about 2 CPU-s
+            set_threads(threads)
         if base_role(name) == "trainer" and in_place_recovery(ctx.cfg):
             bus = DeferredAcks(bus, ctx.cfg.runtime.lease_s)  # acked once a checkpoint holds them
         self.name = name

@@ -23,12 +23,14 @@ from streamrl.runtime import components as C
 from streamrl.runtime.context import RunContext
 from streamrl.runtime.errors import building
 from streamrl.runtime.recovery import feeder_bound, in_place_recovery
-from streamrl.trainer.advantage import NORMALISER_FILE, AdvantageRole
 from streamrl.trainer.checkpoint import load_checkpoint
 from streamrl.trainer.hooks import TrainerHooks
 from streamrl.trainer.service import TrainerRole
 
 CONSUMERS = ("rollout", "reward", "advantage", "trainer")
+# Roles whose process never imports torch (their fields are numpy arrays; the reward function
+# runs in a sandbox process of its own): in Ray mode they start about 2 CPU-s sooner.
+TORCHLESS_ROLES = ("feeder", "reward")
 
 
 def base_role(name: str) -> str:
@@ -248,6 +250,8 @@ def _build_role(name: str, ctx: RunContext, bus, weights, *, start_step: int):
             defer_acks=in_place_recovery(cfg),
         )
     if name == "advantage":
+        from streamrl.trainer.advantage import NORMALISER_FILE, AdvantageRole  # torch
+
         return AdvantageRole(
             bus,
             weights,

@@ -19,15 +19,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from streamrl.config.schema import Config
 from streamrl.data import arith
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
-from streamrl.models.onednn import configure_linears
 from streamrl.models.tiny import build_tiny_model_dir
-from streamrl.trainer.logprobs import pack, response_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +86,11 @@ def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
 
 def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     """Train the model in `model_dir` on the noisy teacher and save it back in place."""
+    import torch  # here: a run whose warm start is cached never needs it in the driver
+
+    from streamrl.models.onednn import configure_linears
+    from streamrl.trainer.logprobs import pack, response_logprobs
+
     ws = cfg.warm_start
     torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(model_dir)
