@@ -62,8 +62,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def quick_cache(tmp_path_factory) -> Path:
-    """A cache folder whose warm-started policy for QUICK settings is built once per session."""
-    return tmp_path_factory.mktemp("cache")
+    """A cache folder whose warm-started policy for QUICK settings is built once per test run:
+    the xdist workers of a run share it (about 25 CPU-s a build on a slow machine; a second
+    worker that needs it while the first builds it waits on the warm start's own file lock)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / "quick-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def pytest_collection_modifyitems(items) -> None:
