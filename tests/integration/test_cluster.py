@@ -2,9 +2,10 @@
 test, the job joining it by address, with roles pinned to different nodes by custom resources.
 The default job, cut to 40 steps as in the vLLM test (it passes the bar by step 20; the other 60
 steps cost CI about a minute on a slow machine, 140 -> 73 s, and test nothing more), must still
-meet the foundation's accuracy bar, and `streamrl status` must show the roles where they were placed. A short run with a SPREAD placement group must reserve one
-group for all roles and spread them over both nodes, and the logs of roles on the worker node
-must reach the run directory."""
+meet the foundation's accuracy bar, and `streamrl status` must show the roles where they were
+placed. A short run with a SPREAD placement group must reserve one group for all roles and
+spread them over both nodes, and the logs of roles on the worker node must reach the run
+directory."""
 
 from __future__ import annotations
 
