@@ -15,6 +15,7 @@ from streamrl.config import ConfigError
 
 def check_paths(cfg) -> None:
     """Fail before any work on paths in the config that cannot be used."""
+    from streamrl.data.dataset import is_pattern
     from streamrl.reward.scoring import check_reward_signature, resolve_callable
 
     try:
@@ -26,7 +27,8 @@ def check_paths(cfg) -> None:
         ("data.train_file", cfg.data.train_file),
         ("data.eval_file", cfg.data.eval_file),
     ):
-        if value is not None and not Path(value).exists():
+        pattern = key.startswith("data.") and value is not None and is_pattern(value)
+        if value is not None and not Path(value).exists() and not pattern:
             raise ConfigError(f"{key} = {value!r} does not exist")
     if cfg.data.train_file or cfg.data.eval_file:  # fail now, not after the warm start
         from streamrl.runtime.context import load_datasets

@@ -1,5 +1,6 @@
-"""Prompt datasets: the built-in task or a user's files (JSON lines, a JSON array, Parquet, or a
-folder of them), validated row by row.
+"""Prompt datasets: the built-in task or a user's files (JSON lines, a JSON array, Parquet, a
+`datasets` folder from `save_to_disk`, or a folder or glob pattern of such files), validated row
+by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
@@ -7,12 +8,19 @@ user turn (`streamrl.data.prompts`). Rows that keep them under other keys name t
 `data.prompt_key` and `data.answer_key`, dotted into nested records (veRL's Parquet files:
 `prompt` and `reward_model.ground_truth`). A malformed row in a user file is reported with its
 file and line (or row number) and skipped; a file with no valid row is an error.
+
+A folder is read whole, so a folder whose files belong to more than one split (`train/` and
+`test/` of a `DatasetDict`, `train-*.parquet` beside `test-*.parquet` as hubs keep them) is
+refused, naming the path of each split: reading it whole would train on held-out rows.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -150,11 +158,19 @@ _RECENT_KEPT = 64
 
 
 # What a data file may be, by suffix: JSON lines (.json may also hold one JSON array of
-# records), or Parquet.
-SUFFIXES = (".jsonl", ".json", ".parquet")
+# records), Parquet, or Arrow (the shards of `datasets.Dataset.save_to_disk`).
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 FORMATS_TEXT = (
-    "JSON lines (.jsonl or .json), a JSON array of records (.json), Parquet (.parquet), or a "
-    "folder of such files (shards, read in name order)"
+    "JSON lines (.jsonl or .json), a JSON array of records (.json), Parquet (.parquet), a "
+    "`datasets` folder from save_to_disk (.arrow), or a folder or glob pattern of such files "
+    "(shards, read in name order)"
+)
+# The bookkeeping files `save_to_disk` writes beside its .arrow shards: not data.
+DATASETS_META = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
+# A word naming a split in a file's path inside a folder ("train/", "test-00000-of-00001").
+_SPLIT_WORD = re.compile(
+    r"(?<![a-z0-9])(train|training|test|testing|validation|valid|val|dev|eval)(?![a-z0-9])",
+    re.IGNORECASE,
 )
 
 
@@ -195,16 +211,32 @@ def load_rows(
     return report
 
 
+def is_pattern(path: str | Path) -> bool:
+    """Whether `path` is a glob pattern (`data/train-*.parquet`) rather than a path."""
+    return any(c in str(path) for c in "*?[") and not Path(path).exists()
+
+
+def _is_data_file(file: Path) -> bool:
+    return file.suffix in SUFFIXES and file.name not in DATASETS_META and file.is_file()
+
+
 def data_files(path: Path) -> list[Path]:
-    """The files `path` names: itself, or the data files under a folder, in name order."""
+    """The files `path` names: itself, the data files under a folder, or those a glob pattern
+    matches, in name order. A folder holding more than one split is refused (module docstring)."""
+    if is_pattern(path):
+        files = sorted(
+            f for f in map(Path, glob.glob(str(path), recursive=True)) if _is_data_file(f)
+        )
+        if not files:
+            raise ValueError(f"dataset pattern {str(path)!r} matches no data file ({FORMATS_TEXT})")
+        return files
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+        files = sorted(f for f in path.rglob("*") if _is_data_file(f))
         if not files:
             raise ValueError(
-                f"dataset folder {str(path)!r} holds no data file; streamrl reads "
-                f"{FORMATS_TEXT} (a `datasets` folder from save_to_disk: write it out with "
-                "Dataset.to_parquet('train.parquet') first)"
+                f"dataset folder {str(path)!r} holds no data file; streamrl reads {FORMATS_TEXT}"
             )
+        check_one_split(path, files)
         return files
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
@@ -213,10 +245,58 @@ def data_files(path: Path) -> list[Path]:
     return [path]
 
 
+def split_of(relative: str) -> str | None:
+    """The split a file's path inside a folder names, outermost first ("validation" for val, dev
+    and eval too), or None."""
+    found = _SPLIT_WORD.search(relative)
+    if found is None:
+        return None
+    word = found.group(1).lower()
+    return {"training": "train", "testing": "test"}.get(
+        word, word if word in ("train", "test") else "validation"
+    )
+
+
+def check_one_split(folder: Path, files: list[Path]) -> None:
+    """Refuse a folder whose files belong to more than one split, naming each split's path."""
+    by_split: dict[str, list[Path]] = {}
+    for f in files:
+        split = split_of(f.relative_to(folder).as_posix())
+        if split is not None:
+            by_split.setdefault(split, []).append(f)
+    if len(by_split) < 2:
+        return
+    counts = ", ".join(f"{split}: {len(fs)} file(s)" for split, fs in sorted(by_split.items()))
+    paths = ", ".join(
+        f"{split}: {_split_path(fs, files)!r}" for split, fs in sorted(by_split.items())
+    )
+    raise ValueError(
+        f"dataset folder {str(folder)!r} holds more than one split ({counts}); read whole, held-out "
+        f"rows would be trained on. Name one split's folder, file or pattern instead ({paths}), "
+        "e.g. data.train_file=<the train path> data.eval_file=<the test path> (a pattern is "
+        "read as it is: X/**/*.jsonl reads every file it matches)"
+    )
+
+
+def _split_path(split_files: list[Path], all_files: list[Path]) -> str:
+    """The shortest path that names exactly `split_files` among `all_files`: their folder, a glob
+    pattern in it, or (neither works) the first file."""
+    common = Path(os.path.commonpath([str(f.parent) for f in split_files]))
+    if [f for f in all_files if common in f.parents] == split_files:
+        return str(common)
+    suffixes = {f.suffix for f in split_files}
+    word = _SPLIT_WORD.search(split_files[0].name)
+    if word is not None and len(suffixes) == 1:
+        pattern = str(common / f"{split_files[0].name[: word.end()]}*{suffixes.pop()}")
+        if sorted(f for f in map(Path, glob.glob(pattern)) if _is_data_file(f)) == split_files:
+            return pattern
+    return str(split_files[0])
+
+
 def _read_rows(path: Path, prompt_key: str, answer_key: str) -> LoadReport:
     report = LoadReport(rows=[])
-    if path.suffix == ".parquet":
-        records, decode = _parquet_records(path), dict
+    if path.suffix in (".parquet", ".arrow"):
+        records, decode = _table_records(path), dict
     elif _starts_with(path, "["):
         records, decode = _json_array(path), _as_is
     else:
@@ -265,9 +345,25 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(records, start=1)
 
 
-def _parquet_records(path: Path) -> Iterator[tuple[int, Any]]:
+def _table_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(record number, record) of a Parquet file or an Arrow IPC file (stream format, as
+    `save_to_disk` writes, or file format)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install pyarrow") from None
-    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+    try:
+        if path.suffix == ".parquet":
+            table = pq.read_table(path)
+        else:
+            with pa.memory_map(str(path)) as source:
+                is_file_format = source.read(6) == b"ARROW1"
+                source.seek(0)
+                reader = pa.ipc.open_file if is_file_format else pa.ipc.open_stream
+                table = reader(source).read_all()
+    except pa.ArrowException as e:
+        raise ValueError(
+            f"dataset file {str(path)!r} is not a readable {path.suffix[1:]} file: {e}"
+        ) from None
+    yield from enumerate(table.to_pylist(), start=1)

@@ -390,6 +390,9 @@ def test_cli_refuses_a_dataset_without_a_usable_row_before_any_work(
     bad.write_text("oops\n")
     err = refused(tmp_path, capsys, f"data.train_file={bad}")
     assert f"dataset {str(bad)!r} has no valid row" in err
+    pattern = str(tmp_path / "train-*.jsonl")  # a pattern is not refused as a missing path
+    err = refused(tmp_path, capsys, f"data.train_file={pattern}")
+    assert f"dataset pattern {pattern!r} matches no data file" in err
 
 
 def test_cli_refuses_cuda_without_a_gpu(

@@ -156,10 +156,8 @@ def test_a_folder_of_shards_reads_every_data_file_in_name_order(tmp_path: Path) 
 def test_a_folder_without_data_or_a_file_of_another_kind_is_refused_saying_what_is_read(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "dataset_dict.json.lock").write_text("")  # a `datasets` save_to_disk folder
-    with pytest.raises(
-        ValueError, match=r"holds no data file; streamrl reads JSON lines .*to_parquet"
-    ):
+    (tmp_path / "dataset_dict.json").write_text('{"splits": []}')  # bookkeeping, not data
+    with pytest.raises(ValueError, match=r"holds no data file; streamrl reads JSON lines .*arrow"):
         load_rows(tmp_path)
     table = tmp_path / "train.csv"
     table.write_text("prompt,answer\n1+1=,2\n")
@@ -167,6 +165,66 @@ def test_a_folder_without_data_or_a_file_of_another_kind_is_refused_saying_what_
         ValueError, match=r"train.csv': streamrl reads JSON lines \(.jsonl or .json\)"
     ):
         load_rows(table)
+
+
+def test_a_datasets_folder_from_save_to_disk_loads_and_a_dataset_dict_names_its_splits(
+    tmp_path: Path,
+) -> None:
+    import datasets
+
+    train = datasets.Dataset.from_list(
+        [{"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 3} for i in range(5)]
+    )
+    test = datasets.Dataset.from_list([{"prompt": "9+9=", "answer": "18", "level": 2}])
+    train.save_to_disk(str(tmp_path / "one"))
+    report = load_rows(tmp_path / "one")  # state.json and dataset_info.json are not rows
+    assert [(r.prompt, r.answer, r.extra) for r in report.rows] == [
+        (f"{i}+1=", str(i + 1), {"level": i % 3}) for i in range(5)
+    ]
+    assert report.num_skipped == 0
+    both = tmp_path / "dict"
+    datasets.DatasetDict(train=train, test=test).save_to_disk(str(both))
+    with pytest.raises(ValueError, match="more than one split") as refused:
+        load_rows(both)
+    assert f"test: {str(both / 'test')!r}" in str(refused.value)
+    assert f"train: {str(both / 'train')!r}" in str(refused.value)
+    assert [r.answer for r in load_rows(both / "test").rows] == ["18"]
+
+
+def test_hub_shards_of_two_splits_are_refused_with_a_pattern_per_split_that_then_loads(
+    tmp_path: Path,
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "gsm8k" / "main"
+    data.mkdir(parents=True)
+    for name, answers in (
+        ("train-00000-of-00002", ["1", "2"]),
+        ("train-00001-of-00002", ["3"]),
+        ("test-00000-of-00001", ["4"]),
+    ):
+        rows = [{"prompt": f"q{a}", "answer": a} for a in answers]
+        pq.write_table(pa.Table.from_pylist(rows), data / f"{name}.parquet")
+    with pytest.raises(ValueError, match=r"train: 2 file\(s\)") as refused:
+        load_rows(tmp_path / "gsm8k")
+    pattern = str(data / "train*.parquet")
+    assert repr(pattern) in str(refused.value)
+    assert [r.answer for r in load_rows(pattern).rows] == ["1", "2", "3"]
+    with pytest.raises(ValueError, match=r"pattern .* matches no data file"):
+        load_rows(str(data / "validation*.parquet"))
+
+
+def test_an_arrow_file_in_the_ipc_file_format_loads_too(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist([{"prompt": "1+2=", "answer": "3"}])
+    with pa.ipc.new_file(str(tmp_path / "rows.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert [r.answer for r in load_rows(tmp_path / "rows.arrow").rows] == ["3"]
+    (tmp_path / "broken.arrow").write_bytes(b"not arrow at all")
+    with pytest.raises(ValueError, match=r"broken.arrow' is not a readable arrow file"):
+        load_rows(tmp_path / "broken.arrow")
 
 
 def test_a_file_read_again_unchanged_is_not_reparsed_but_reports_its_problems_again(
