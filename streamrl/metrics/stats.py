@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from numbers import Integral
 
 
@@ -46,6 +46,30 @@ def summarize(values: Iterable[float], *, prefix: str = "") -> dict[str, float |
     if prefix:
         return {f"{prefix}/{key}": value for key, value in stats.items()}
     return stats
+
+
+def reward_trend(
+    step_rewards: Sequence[Mapping[str, float]], window: int = 10
+) -> dict[str, float | dict[str, float] | None]:
+    """The training reward at the start and at the end of a run: the mean of `reward/mean` over
+    the first and the last `window` training steps (fewer in a shorter run), and of each
+    `reward_components/<name>` over the last ones. `step_rewards` holds one mapping per step, in
+    step order, with whichever of those keys that step had."""
+
+    def mean_of(steps: Sequence[Mapping[str, float]], key: str) -> float | None:
+        values = [step[key] for step in steps if key in step]
+        return sum(values) / len(values) if values else None
+
+    first, last = step_rewards[:window], step_rewards[-window:]
+    names = sorted({k for step in last for k in step if k.startswith("reward_components/")})
+    return {
+        "train_reward_first": mean_of(first, "reward/mean"),
+        "train_reward_last": mean_of(last, "reward/mean"),
+        "train_reward_components_last": {
+            name.removeprefix("reward_components/"): mean_of(last, name) for name in names
+        }
+        or None,
+    }
 
 
 def histogram_counts(values: Sequence[int]) -> dict[int, int]:

@@ -6,7 +6,8 @@ under friendlier labels, when present:
 
     run_name, initial_eval_accuracy, final_eval_accuracy, num_steps, stopped_early, wall_time_s,
     tokens_per_s, peak_memory_bytes, num_samples_trained, num_samples_dropped
-    (an int, or a mapping reason -> count), trainer_idle_fraction, final_model_dir
+    (an int, or a mapping reason -> count), train_reward_first, train_reward_last,
+    train_reward_components_last, trainer_idle_fraction, final_model_dir
 
 Values are formatted by key suffix, so new keys look right without code changes:
 `*_bytes` as GiB, `*_per_s` as a rate, `*_s` as a duration (m:ss from one minute on),
@@ -37,6 +38,9 @@ _LABELS: dict[str, str] = {
     "peak_memory_bytes": "peak memory",
     "num_samples_trained": "samples trained",
     "num_samples_dropped": "samples dropped",
+    "train_reward_first": "train reward, first steps",
+    "train_reward_last": "train reward, last steps",
+    "train_reward_components_last": "reward components, last steps",
     "trainer_idle_fraction": "trainer idle",
     "final_model_dir": "trained model",
 }
@@ -118,9 +122,10 @@ def format_duration(seconds: float) -> str:
 
 
 def _format_breakdown(key: str, counts: Mapping) -> str:
-    """`{"stale": 12, "filtered": 3}` -> `15 (stale 12, filtered 3)`."""
+    """`{"stale": 12, "filtered": 3}` -> `15 (stale 12, filtered 3)`; a mapping of other
+    numbers (means of reward components) is listed without a total."""
     parts = ", ".join(f"{reason} {format_value(key, n)}" for reason, n in counts.items())
-    if counts and all(_is_number(n) for n in counts.values()):
+    if counts and all(isinstance(n, Integral) and _is_number(n) for n in counts.values()):
         return f"{format_value(key, sum(counts.values()))} ({parts})"
     return parts or "-"
 

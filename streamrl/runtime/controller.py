@@ -26,7 +26,7 @@ from streamrl.metrics import (
     read_metrics,
     write_summary,
 )
-from streamrl.metrics.stats import SlowerSide
+from streamrl.metrics.stats import SlowerSide, reward_trend
 from streamrl.runtime.context import make_run_dir, prepare
 from streamrl.runtime.control import RunDirInUse, clear_stop, hold_run_dir, stop_on_interrupt
 from streamrl.runtime.errors import RoleError, RoleFailed, TrainerLost
@@ -62,6 +62,8 @@ class RecordSink:
         self._last_time: float | None = None
         self._role_totals: dict[tuple[str, str], float] = {}
         self.slower_side: SlowerSide | None = None  # from the first record on
+        # (step, its reward/mean and reward_components/*) of every training step, for the summary
+        self.step_rewards: list[tuple[int, dict[str, float]]] = []
 
     def _share(self, role: str, key: str, total: float) -> float:
         """This step's share of a role's cumulative counter (a restarted role counts anew)."""
@@ -90,6 +92,7 @@ class RecordSink:
         """The trainer resumes in place from the checkpoint of `step`: forget what came after."""
         rewind_logs(self.run_dir, self.tracker, step)
         self._last_time = None
+        self.step_rewards = [(s, r) for s, r in self.step_rewards if s <= step]
 
     def __call__(self, record: dict[str, Any]) -> None:
         step, metrics = record["step"], dict(record["metrics"])
@@ -134,6 +137,13 @@ class RecordSink:
                 metrics["trainer/idle_frac"] = max(0.0, 1.0 - busy / max(wall, 1e-9))
             self.trainer_busy_s += busy
             self._add_to_slower_side(step, busy, record, metrics, now)
+            rewards = {
+                key: float(value)
+                for key, value in metrics.items()
+                if (key == "reward/mean" or key.startswith("reward_components/"))
+                and value is not None
+            }
+            self.step_rewards.append((step, rewards))
             for key, value in metrics.items():
                 if key.startswith("samples/dropped_"):
                     reason = key.removeprefix("samples/dropped_")
@@ -338,6 +348,7 @@ def _summary(
         "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
         "peak_memory_bytes": peak_bytes,
         "num_samples_dropped": dict(sink.dropped),
+        **reward_trend([rewards for _, rewards in sink.step_rewards]),
         "num_malformed_dataset_rows": ctx.num_malformed_rows,
         "num_overlong_prompts": ctx.num_overlong_prompts,
         "trainer_idle_fraction": max(0.0, 1.0 - sink.trainer_busy_s / max(rl_wall, 1e-9)),

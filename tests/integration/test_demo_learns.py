@@ -49,6 +49,9 @@ def test_default_job_learns(tmp_path):
     assert spans[0][1].startswith("1-") and spans[-1][1].endswith(f"-{summary['num_steps']}")
     first, last = steps[:10], steps[-10:]
     assert sum(m["reward/mean"] for m in last) > sum(m["reward/mean"] for m in first)
+    assert summary["train_reward_first"] == pytest.approx(sum(m["reward/mean"] for m in first) / 10)
+    assert summary["train_reward_last"] == pytest.approx(sum(m["reward/mean"] for m in last) / 10)
+    assert summary["train_reward_components_last"] is None  # the rule reward has none
 
     assert (run_dir / "reward_accuracy.png").stat().st_size > 1000
     assert any((run_dir / "tb").iterdir())

@@ -61,6 +61,8 @@ def test_a_verl_parquet_file_trains_with_the_math_reward(tmp_path):
         assert m["reward_components/acc"] == pytest.approx(m["reward/mean"])
         assert 0 <= m["reward_components/answered"] <= 1
         assert "reward_components/pred" not in m
+    assert summary["train_reward_last"] == pytest.approx(sum(m["reward/mean"] for m in steps) / 2)
+    assert set(summary["train_reward_components_last"]) == {"acc", "answered"}
     evals = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in m]
     assert [m["eval/unscored"] for m in evals] == [0, 0]
     # Each evaluation also sampled two answers a prompt: pass@1 <= pass@2.

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from streamrl.metrics import Throughput, histogram_counts, summarize
+from streamrl.metrics.stats import reward_trend
 
 
 def test_summarize_uses_population_std() -> None:
@@ -66,3 +67,20 @@ def test_throughput_rejects_bad_arguments() -> None:
         Throughput(window_s=0)
     with pytest.raises(ValueError):
         Throughput().add(-1)
+
+
+def test_reward_trend_averages_the_first_and_last_steps_and_each_component() -> None:
+    steps = [{"reward/mean": float(i)} for i in range(30)]
+    steps[-1]["reward_components/format"] = 1.0
+    steps[-2]["reward_components/format"] = 0.5
+    trend = reward_trend(steps, window=10)
+    assert trend["train_reward_first"] == pytest.approx(4.5)  # steps 0-9
+    assert trend["train_reward_last"] == pytest.approx(24.5)  # steps 20-29
+    assert trend["train_reward_components_last"] == {"format": 0.75}  # where it was logged
+    short = reward_trend([{"reward/mean": 1.0}, {}, {"reward/mean": 0.0}], window=10)
+    assert short == {  # a step without a scored sample has no reward/mean
+        "train_reward_first": 0.5,
+        "train_reward_last": 0.5,
+        "train_reward_components_last": None,
+    }
+    assert reward_trend([])["train_reward_first"] is None

@@ -54,6 +54,12 @@ def test_table_renders_subset_of_keys_with_formatting() -> None:
     assert "tokens/s" not in text and "steps" not in text
 
 
+def test_means_of_reward_components_are_listed_not_totalled_as_counts_are() -> None:
+    text = _rendered({"train_reward_components_last": {"format": 0.95, "correct": 0.5}})
+    assert "reward components, last steps" in text and "format 0.95, correct 0.5" in text
+    assert "1.45" not in text
+
+
 def test_known_keys_come_first() -> None:
     text = _rendered({"aaa_first_alphabetically": 1, "num_steps": 200})
     assert text.index("steps") < text.index("aaa first alphabetically")
