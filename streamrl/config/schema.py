@@ -280,8 +280,9 @@ class AlgorithmConfig(Section):
     """DAPO overlong filtering: a response cut at rollout.max_new_tokens (finish reason
     "length") is left out of the loss and of its normaliser, so a reasoning chain cut short is
     not punished for being cut; its reward still counts in its group's advantages. Counted in
-    `samples/dropped_truncated`. TRL's `mask_truncated_completions`, ms-swift's
-    `overlong_filter`."""
+    `samples/dropped_truncated`. The critic (advantage=gae) still learns values on such
+    responses: the cut at max_new_tokens is part of the environment the values describe. TRL's
+    `mask_truncated_completions`, ms-swift's `overlong_filter`."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: a group whose rewards are all equal has no signal and is dropped
     (not trained, not in the normaliser), and generation continues until the step holds exactly
