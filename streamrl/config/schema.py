@@ -345,6 +345,10 @@ class TrainerConfig(Section):
     veRL's mean@N). 0: greedy accuracy only. Costs this many more generations per evaluation."""
     eval_temperature: float | None = Field(None, gt=0)
     """Sampling temperature of `eval_samples` (None: `rollout.temperature`)."""
+    eval_correct_at: float = 1.0
+    """A held-out answer counts as correct when its reward is at least this; when the reward
+    reports an `acc` component (veRL's rewards do, beside a score that may hold bonuses or
+    penalties) that decides instead: correct when it is 1."""
     checkpoint_every: int = Field(20, ge=0)
     """Save a resumable checkpoint every this many steps (0: only at the end)."""
     threads: int | None = Field(None, ge=1)

@@ -312,6 +312,7 @@ class Evaluator:
             ],
             scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
             max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+            correct_at=ctx.cfg.trainer.eval_correct_at,
         )
         self.seed = ctx.cfg.run.seed
 

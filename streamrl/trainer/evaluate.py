@@ -26,7 +26,8 @@ UNSCORED = ("timeout", "infra_error")
 @dataclass(frozen=True)
 class EvalResult:
     accuracy: float
-    """Fraction of the rows whose greedy answer earns reward 1 (exact match for the built-in task)."""
+    """Fraction of the rows whose greedy answer is correct (`is_correct`; exact match for the
+    built-in task)."""
     unscored: dict[str, int] = field(default_factory=dict)
     """Responses the reward could not score, by status (`timeout`, `infra_error`): counted as
     not correct."""
@@ -39,6 +40,17 @@ class EvalResult:
     def unscored_text(self) -> str:
         """`N not scored (timeout 2, infra_error 1; the first: REASON)`, or '' if none."""
         return _unscored_text(self.unscored, self.first_reason) if self.unscored else ""
+
+
+def is_correct(score: RewardResult, correct_at: float = 1.0) -> bool:
+    """Whether a scored response counts as correct: its reward is at least `correct_at`, or,
+    when the reward reports an `acc` component (veRL's rewards do, beside a `score` that may add
+    format bonuses or length penalties), that is 1. Not scored is not correct."""
+    if score.status != "ok":
+        return False
+    if "acc" in score.components:
+        return score.components["acc"] >= 1.0
+    return score.value is not None and score.value >= correct_at
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -107,6 +119,8 @@ class HeldOut:
     prompt_ids: Sequence[list[int]]
     scorer: Any
     max_new_tokens: int
+    correct_at: float = 1.0
+    """The reward at which an answer counts as correct (`is_correct`)."""
 
     def greedy(self) -> EvalResult:
         """Greedy answers to every row, scored."""
@@ -163,7 +177,7 @@ class HeldOut:
         )
 
     def _scored(self, results) -> tuple[list[ScoreTask], list[RewardResult], list[bool]]:
-        """(tasks, scores, hit) of one response per row; hit is reward >= 1 (correct)."""
+        """(tasks, scores, hit) of one response per row; hit: correct (`is_correct`)."""
         tasks = [
             ScoreTask(
                 self.tokenizer.decode(res.response_ids, skip_special_tokens=True),
@@ -173,5 +187,5 @@ class HeldOut:
             for row, res in zip(self.rows, results, strict=True)
         ]
         scores = self.scorer.score(tasks)
-        hit = [s.status == "ok" and (s.value or 0.0) >= 1.0 for s in scores]
+        hit = [is_correct(s, self.correct_at) for s in scores]
         return tasks, scores, hit

@@ -1,14 +1,18 @@
-"""pass@k from n samples: the unbiased estimator against counting every k-subset."""
+"""Held-out scoring: what counts as correct, and pass@k from n samples (the unbiased estimator
+against counting every k-subset)."""
 
 from __future__ import annotations
 
 from itertools import combinations
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamrl.trainer.evaluate import SampledResult, pass_at_k, report_ks
+from streamrl.api.reward import RewardResult
+from streamrl.data.dataset import PromptRow
+from streamrl.trainer.evaluate import HeldOut, SampledResult, is_correct, pass_at_k, report_ks
 
 
 def pass_at_k_by_counting(n: int, c: int, k: int) -> float:
@@ -59,3 +63,43 @@ def test_sampled_result_averages_over_prompts_and_says_what_was_not_scored():
         "pass@1 0.4167, pass@2 0.5000, pass@4 0.6667 (4 samples a prompt at temperature 1); "
         "2 not scored (timeout 2; the first: reward took longer than 5 s)"
     )
+
+
+def test_an_answer_is_correct_at_the_reward_threshold_or_by_its_acc_component() -> None:
+    assert is_correct(RewardResult.ok(1.0)) and not is_correct(RewardResult.ok(0.99))
+    assert is_correct(RewardResult.ok(10.0), correct_at=10.0)
+    assert not is_correct(RewardResult.ok(5.0), correct_at=10.0)
+    # veRL's form: `acc` is the verdict, whatever bonus or penalty the score holds.
+    assert is_correct(RewardResult(0.9, components={"acc": 1.0, "format": -0.1}))
+    assert not is_correct(RewardResult(1.1, components={"acc": 0.0, "format": 0.1}))
+    assert not is_correct(RewardResult.invalid("no answer"))
+    assert not is_correct(RewardResult(None, "timeout", "hung"))
+
+
+def test_held_out_accuracy_counts_what_is_correct_and_lists_the_misses() -> None:
+    class Engine:  # answers prompt i with token i
+        def generate(self, requests, params):
+            assert params.temperature == 0.0
+            return [SimpleNamespace(response_ids=[i]) for i, _ in enumerate(requests)]
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return f"answer {ids[0]}"
+
+    class Scorer:  # reward 1.1 for prompt 0 (with a bonus), 0.95 with acc 1 for prompt 1, ...
+        def score(self, tasks):
+            return [
+                RewardResult(1.1),
+                RewardResult(0.95, components={"acc": 1.0}),
+                RewardResult(0.5),
+                RewardResult(None, "timeout", "hung"),
+            ][: len(tasks)]
+
+    rows = [PromptRow(f"q{i}", str(i)) for i in range(4)]
+    held = HeldOut(Engine(), Tokenizer(), rows, [[1]] * 4, Scorer(), max_new_tokens=4)
+    result = held.greedy()
+    assert result.accuracy == 0.5
+    assert [(i, response) for i, response, _ in result.misses] == [(2, "answer 2"), (3, "answer 3")]
+    assert result.unscored == {"timeout": 1}
+    held.correct_at = 0.5
+    assert held.greedy().accuracy == 0.75
