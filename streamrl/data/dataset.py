@@ -279,11 +279,13 @@ def check_one_split(folder: Path, files: list[Path]) -> None:
 
 
 def _split_path(split_files: list[Path], all_files: list[Path]) -> str:
-    """The shortest path that names exactly `split_files` among `all_files`: their folder, a glob
-    pattern in it, or (neither works) the first file."""
+    """A path that names exactly `split_files` among `all_files`: their folder, the file if it is
+    one, a glob pattern in their folder, or (none works) the first file."""
     common = Path(os.path.commonpath([str(f.parent) for f in split_files]))
     if [f for f in all_files if common in f.parents] == split_files:
         return str(common)
+    if len(split_files) == 1:
+        return str(split_files[0])
     suffixes = {f.suffix for f in split_files}
     word = _SPLIT_WORD.search(split_files[0].name)
     if word is not None and len(suffixes) == 1:

@@ -213,6 +213,10 @@ def test_hub_shards_of_two_splits_are_refused_with_a_pattern_per_split_that_then
     assert [r.answer for r in load_rows(pattern).rows] == ["1", "2", "3"]
     with pytest.raises(ValueError, match=r"pattern .* matches no data file"):
         load_rows(str(data / "validation*.parquet"))
+    (data / "train-00001-of-00002.parquet").unlink()  # veRL's layout: train and test side by side
+    with pytest.raises(ValueError, match="more than one split") as refused:
+        load_rows(data)
+    assert repr(str(data / "train-00000-of-00002.parquet")) in str(refused.value)
 
 
 def test_an_arrow_file_in_the_ipc_file_format_loads_too(tmp_path: Path) -> None:
