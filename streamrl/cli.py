@@ -194,8 +194,23 @@ def format_logs(run_dir: Path, role: str | None, num_lines: int) -> str:
     return "\n\n".join("\n".join([f"==> {p} <==", *tail(p, num_lines)]) for p in paths)
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. Overrides may follow options (`streamrl eval RUN --json
+    data.num_eval=8`): argparse fills a list of positionals from their first stretch only and
+    calls the rest unrecognized, so those are added to it here, in the order given."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and isinstance(getattr(args, "args", None), list):
+        if not any(arg.startswith("-") for arg in rest):
+            args.args += rest
+            return args
+    if rest:
+        parser.parse_args(argv)  # exits with argparse's own message for what it does not know
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_command_line(argv)
     # User code named by a dotted path (`reward.function=my_rewards:score`) is looked up in the
     # directory the command runs in first, as `python -m` and `python script.py` users expect
     # (a console script's path holds only its own directory).

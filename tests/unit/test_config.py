@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from streamrl.cli import main
+from streamrl.cli import main, parse_command_line
 from streamrl.config import Config, ConfigError, dump_yaml, load_config
 from streamrl.config.presets import PRESETS
 
@@ -512,3 +512,22 @@ def test_unknown_preset_lists_the_presets() -> None:
 def test_kl_in_reward_needs_a_kl_coefficient() -> None:
     with pytest.raises(ConfigError, match="kl_in_reward"):
         load_config(["algorithm.kl_in_reward=true"])
+
+
+def test_overrides_may_follow_options_on_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_command_line(["eval", "RUN", "--json", "data.num_eval=8", "--samples", "4", "a=1"])
+    assert (args.target, args.args, args.json, args.samples) == (
+        "RUN",
+        ["data.num_eval=8", "a=1"],
+        True,
+        4,
+    )
+    args = parse_command_line(["train", "x.yaml", "--resume", "RUN", "trainer.steps=5"])
+    assert (args.args, args.resume) == (["x.yaml", "trainer.steps=5"], "RUN")  # in order
+    with pytest.raises(SystemExit) as refused:
+        parse_command_line(["eval", "RUN", "--jsn", "data.num_eval=8"])
+    assert refused.value.code == 2 and "unrecognized arguments: --jsn" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a command without overrides takes no extra words
+        parse_command_line(["stop", "RUN", "extra"])
