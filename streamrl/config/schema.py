@@ -60,8 +60,9 @@ class DataConfig(Section):
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
     """File of {"prompt", "answer"} rows: JSON lines (.jsonl, .json), a JSON array (.json),
-    Parquet, a `datasets` folder from save_to_disk, or a folder or glob pattern of such files
-    (a folder holding more than one split is refused); None uses the built-in task."""
+    Parquet, CSV / TSV with a header row, a `datasets` folder from save_to_disk, or a folder or
+    glob pattern of such files (a folder holding more than one split is refused); None uses the
+    built-in task."""
     eval_file: str | None = None
     """File of held-out rows, as `train_file`. None: with `train_file`, rows held out from it
     (min(num_eval, a tenth of it), picked by `seed`); else the built-in task's held-out split."""

@@ -1,6 +1,6 @@
-"""Prompt datasets: the built-in task or a user's files (JSON lines, a JSON array, Parquet, a
-`datasets` folder from `save_to_disk`, or a folder or glob pattern of such files), validated row
-by row.
+"""Prompt datasets: the built-in task or a user's files (JSON lines, a JSON array, Parquet, CSV,
+a `datasets` folder from `save_to_disk`, or a folder or glob pattern of such files), validated
+row by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
@@ -16,6 +16,7 @@ refused, naming the path of each split: reading it whole would train on held-out
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import logging
@@ -158,12 +159,13 @@ _RECENT_KEPT = 64
 
 
 # What a data file may be, by suffix: JSON lines (.json may also hold one JSON array of
-# records), Parquet, or Arrow (the shards of `datasets.Dataset.save_to_disk`).
-SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# records), Parquet, CSV / TSV with a header row (every value a string), or Arrow (the shards of
+# `datasets.Dataset.save_to_disk`).
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
 FORMATS_TEXT = (
-    "JSON lines (.jsonl or .json), a JSON array of records (.json), Parquet (.parquet), a "
-    "`datasets` folder from save_to_disk (.arrow), or a folder or glob pattern of such files "
-    "(shards, read in name order)"
+    "JSON lines (.jsonl or .json), a JSON array of records (.json), Parquet (.parquet), CSV or "
+    "TSV with a header row (.csv, .tsv), a `datasets` folder from save_to_disk (.arrow), or a "
+    "folder or glob pattern of such files (shards, read in name order)"
 )
 # The bookkeeping files `save_to_disk` writes beside its .arrow shards: not data.
 DATASETS_META = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
@@ -299,6 +301,8 @@ def _read_rows(path: Path, prompt_key: str, answer_key: str) -> LoadReport:
     report = LoadReport(rows=[])
     if path.suffix in (".parquet", ".arrow"):
         records, decode = _table_records(path), dict
+    elif path.suffix in (".csv", ".tsv"):
+        records, decode = _csv_records(path), _csv_row
     elif _starts_with(path, "["):
         records, decode = _json_array(path), _as_is
     else:
@@ -345,6 +349,21 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
             f"dataset file {str(path)!r} holds a JSON {type(records).__name__}, not an array"
         )
     yield from enumerate(records, start=1)
+
+
+def _csv_records(path: Path) -> Iterator[tuple[int, dict[str | None, Any]]]:
+    """(line number, record) of every row of a CSV (or, .tsv, tab-separated) file under its
+    header row; a quoted value may span lines (the number is the row's last line)."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ",")
+        for record in reader:
+            yield reader.line_num, record
+
+
+def _csv_row(record: dict[str | None, Any]) -> dict[str, Any]:
+    if None in record:  # csv.DictReader's key for values past the header's columns
+        raise ValueError(f"{len(record[None])} more value(s) than the header has columns")
+    return record  # type: ignore[return-value]
 
 
 def _table_records(path: Path) -> Iterator[tuple[int, Any]]:

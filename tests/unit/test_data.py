@@ -159,10 +159,10 @@ def test_a_folder_without_data_or_a_file_of_another_kind_is_refused_saying_what_
     (tmp_path / "dataset_dict.json").write_text('{"splits": []}')  # bookkeeping, not data
     with pytest.raises(ValueError, match=r"holds no data file; streamrl reads JSON lines .*arrow"):
         load_rows(tmp_path)
-    table = tmp_path / "train.csv"
-    table.write_text("prompt,answer\n1+1=,2\n")
+    table = tmp_path / "train.txt"
+    table.write_text("1+1= 2\n")
     with pytest.raises(
-        ValueError, match=r"train.csv': streamrl reads JSON lines \(.jsonl or .json\)"
+        ValueError, match=r"train.txt': streamrl reads JSON lines \(.jsonl or .json\)"
     ):
         load_rows(table)
 
@@ -217,6 +217,27 @@ def test_hub_shards_of_two_splits_are_refused_with_a_pattern_per_split_that_then
     with pytest.raises(ValueError, match="more than one split") as refused:
         load_rows(data)
     assert repr(str(data / "train-00000-of-00002.parquet")) in str(refused.value)
+
+
+def test_csv_and_tsv_files_load_with_their_header_and_malformed_rows_are_named(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "rows.csv").write_text(
+        'question,answer,level\n1+1=,2,easy\n"a, quoted\nprompt",3,hard\n2+2=,4,easy,extra\n'
+    )
+    report = load_rows(tmp_path / "rows.csv", prompt_key="question")
+    assert [(r.prompt, r.answer, r.extra) for r in report.rows] == [
+        ("1+1=", "2", {"level": "easy"}),
+        ("a, quoted\nprompt", "3", {"level": "hard"}),
+    ]
+    assert report.problems == [
+        f"{tmp_path / 'rows.csv'}:5: skipped malformed row: "
+        "1 more value(s) than the header has columns"
+    ]
+    (tmp_path / "rows.tsv").write_text("prompt\tanswer\n3+4=\t7\n5+5=\n")
+    report = load_rows(tmp_path / "rows.tsv")
+    assert [(r.prompt, r.answer) for r in report.rows] == [("3+4=", "7")]
+    assert "rows.tsv:3: skipped malformed row: missing key(s) ['answer']" in report.problems[0]
 
 
 def test_an_arrow_file_in_the_ipc_file_format_loads_too(tmp_path: Path) -> None:
