@@ -273,8 +273,9 @@ def check_one_split(folder: Path, files: list[Path]) -> None:
         f"{split}: {_split_path(fs, files)!r}" for split, fs in sorted(by_split.items())
     )
     raise ValueError(
-        f"dataset folder {str(folder)!r} holds more than one split ({counts}); read whole, held-out "
-        f"rows would be trained on. Name one split's folder, file or pattern instead ({paths}), "
+        f"dataset folder {str(folder)!r} holds more than one split ({counts}); read whole, "
+        "held-out rows would be trained on. Name one split's folder, file or pattern instead "
+        f"({paths}), "
         "e.g. data.train_file=<the train path> data.eval_file=<the test path> (a pattern is "
         "read as it is: X/**/*.jsonl reads every file it matches)"
     )
