@@ -56,6 +56,15 @@ def run_cli(
     return proc
 
 
+def tiny_model(folder: Path) -> Path:
+    """The smallest model a run trains (hidden 32, one layer, random weights), as a local HF
+    directory in `folder`/model: for tests of mechanics that start from `model.path` (no warm
+    start)."""
+    from streamrl.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(folder / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -10,17 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.models.tiny import build_tiny_model_dir
-from tests.integration.conftest import QUICK, run_cli
+from tests.integration.conftest import QUICK, run_cli, tiny_model
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("mode", ["inline", "sync", "threads", "ray"])
 def test_a_role_that_cannot_be_built_stops_the_run_with_its_reason(tmp_path, mode):
-    model_dir = build_tiny_model_dir(
-        tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
-    )
+    model_dir = tiny_model(tmp_path)
     run_dir = tmp_path / "run"
     proc = run_cli(
         [
@@ -50,9 +47,7 @@ def test_a_role_that_cannot_be_built_stops_the_run_with_its_reason(tmp_path, mod
 
 @pytest.mark.parametrize("mode", ["threads", "ray"])
 def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode):
-    model_dir = build_tiny_model_dir(
-        tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
-    )
+    model_dir = tiny_model(tmp_path)
     server = Path(__file__).parents[1] / "fakes" / "sglang_server.py"
     run_dir = tmp_path / "run"
     proc = run_cli(

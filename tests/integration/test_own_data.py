@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from streamrl.models.tiny import build_tiny_model_dir
-from tests.integration.conftest import QUICK, read_jsonl, run_cli
+from tests.integration.conftest import QUICK, read_jsonl, run_cli, tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -32,9 +31,7 @@ def test_a_verl_parquet_file_trains_with_the_math_reward(tmp_path):
     ]
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
-    model_dir = build_tiny_model_dir(
-        tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
-    )
+    model_dir = tiny_model(tmp_path)
     run_dir = tmp_path / "run"
     run_cli(
         [

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.models.tiny import build_tiny_model_dir
-from tests.integration.conftest import QUICK, read_jsonl, run_cli
+from tests.integration.conftest import QUICK, read_jsonl, run_cli, tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,9 +34,7 @@ MISMATCH_BOUND = 1e-5
 
 @pytest.mark.parametrize("mode", ["threads", "ray"])
 def test_a_run_trains_on_the_weights_each_step_sends_to_the_sglang_server(tmp_path, mode):
-    model_dir = build_tiny_model_dir(
-        tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
-    )
+    model_dir = tiny_model(tmp_path)
     run_dir = tmp_path / "run"
     run_cli(
         [
