@@ -86,9 +86,6 @@ FILE_ORDER_KEYS = (
 
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:
     """Refuse resume overrides that change the data order the run's checkpoints count in."""
-    from streamrl.trainer.checkpoint import latest_model_dir
-    from streamrl.trainer.schedule import final_lr
-
     changed = []
     for key in DATA_ORDER_KEYS + (FILE_ORDER_KEYS if saved.data.train_file else ()):
         section, name = key.split(".")
@@ -99,11 +96,48 @@ def check_same_data_order(saved, cfg, run_dir: Path) -> None:
         raise ConfigError(
             f"--resume {run_dir}: {', '.join(changed)} would change which prompts each batch "
             "holds, so the resumed run would train some twice and skip others. Resume without "
-            "it, or start a new run from the trained weights: "
-            f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'} "
-            f"algorithm.lr={final_lr(saved):.3g} (about the rate it ended at; a new "
-            "run starts its schedule and optimizer afresh)"
+            f"it, or {new_run_instead(saved, run_dir)}"
         )
+
+
+def new_run_instead(saved, run_dir: Path) -> str:
+    """How to go on from a run that cannot be resumed as it is: a new run from its weights."""
+    from streamrl.trainer.checkpoint import latest_model_dir
+    from streamrl.trainer.schedule import final_lr
+
+    return (
+        "start a new run from the trained weights: "
+        f"model.path={latest_model_dir(run_dir) or run_dir / 'checkpoints/step-N/model'} "
+        f"algorithm.lr={final_lr(saved):.3g} (about the rate it ended at; a new run starts its "
+        "schedule and optimizer afresh)"
+    )
+
+
+DATA_FILE = "data.json"
+
+
+def check_same_data(cfg, run_dir: Path, train_rows, resuming: bool) -> None:
+    """Record the training rows' count and digest in `run_dir/data.json` when a run starts, and
+    refuse to resume it on other rows: a file edited, replaced, or added to a folder or pattern
+    since would change which prompts each batch holds, with the same config."""
+    import json
+
+    from streamrl.data.dataset import rows_digest
+
+    now = {"rows": len(train_rows), "digest": rows_digest(train_rows)}
+    path = run_dir / DATA_FILE
+    if resuming and path.is_file():
+        before = json.loads(path.read_text())
+        if before != now:
+            raise ConfigError(
+                f"--resume {run_dir}: the training data changed since the run started "
+                f"({before['rows']} rows, digest {before['digest']} -> {now['rows']} rows, "
+                f"digest {now['digest']}: a file edited or replaced, or one added to its folder "
+                "or pattern), so the resumed run would train some prompts twice and skip "
+                f"others. Restore the data, or {new_run_instead(cfg, run_dir)}"
+            )
+        return
+    path.write_text(json.dumps(now) + "\n")  # a new run, or one from before this file existed
 
 
 def finished(run_dir: Path, steps: int) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -47,6 +48,15 @@ class LoadReport:
     rows: list[PromptRow]
     num_skipped: int = 0
     problems: list[str] = field(default_factory=list)
+
+
+def rows_digest(rows: list[PromptRow]) -> str:
+    """A digest of the rows' prompts and answers, in order: equal for the same data."""
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(json.dumps([row.prompt, row.answer], ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 def builtin_rows(num: int, *, digits: int, seed: int, split: str) -> list[PromptRow]:

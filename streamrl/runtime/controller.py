@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.config import Config, ConfigError, dump_yaml
+from streamrl.config.preflight import check_same_data
 from streamrl.metrics import (
     MetricsTracker,
     PeakMemorySampler,
@@ -221,6 +222,8 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
         while True:
             start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
             ctx = prepare(cfg, policy_dir, run_dir, checkpoint)
+            if not trainer_restarts:  # the data a run starts on, or a resumed run goes on with
+                check_same_data(cfg, run_dir, ctx.train_rows, resuming=checkpoint is not None)
             tracker = MetricsTracker(
                 run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
             )

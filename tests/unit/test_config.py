@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -451,6 +452,28 @@ def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path
     check_same_data_order(builtin, load_config(longer), tmp_path)  # the built-in task: fine
     with pytest.raises(ConfigError, match="rollout.max_new_tokens 24 -> 64 would change"):
         check_same_data_order(own, load_config([f"data.train_file={data}", *longer]), tmp_path)
+
+
+def test_a_run_is_not_resumed_on_training_rows_other_than_it_started_on(tmp_path: Path) -> None:
+    from streamrl.config.preflight import DATA_FILE, check_same_data
+    from streamrl.data.dataset import PromptRow, rows_digest
+
+    cfg = load_config([])
+    rows = [PromptRow(f"{i}+1=", str(i + 1)) for i in range(4)]
+    check_same_data(cfg, tmp_path, rows, resuming=False)  # a new run records its rows
+    recorded = json.loads((tmp_path / DATA_FILE).read_text())
+    assert recorded == {"rows": 4, "digest": rows_digest(rows)}
+    check_same_data(cfg, tmp_path, list(rows), resuming=True)  # the same rows: resumed
+    for changed in (
+        rows + [PromptRow("9+1=", "10")],  # a shard added to the folder
+        [rows[1], rows[0], *rows[2:]],  # the same rows in another order
+        [PromptRow("0+1=", "2"), *rows[1:]],  # an answer edited
+    ):
+        with pytest.raises(ConfigError, match="the training data changed since the run started"):
+            check_same_data(cfg, tmp_path, changed, resuming=True)
+    assert json.loads((tmp_path / DATA_FILE).read_text()) == recorded  # kept for the next try
+    check_same_data(cfg, tmp_path, rows[:2], resuming=False)  # started over (no checkpoint)
+    assert json.loads((tmp_path / DATA_FILE).read_text())["rows"] == 2
 
 
 def test_cli_refuses_a_new_run_into_the_directory_of_another(
