@@ -2,7 +2,8 @@
 or once its roles are up) is refused at once, with what to do instead.
 
 `check_paths` runs for every `streamrl train`; `check_same_data_order` and `finished` for
-`--resume`.
+`--resume`; `check_same_data` once a run has loaded its training rows (the controller), to
+record them or to refuse a resume on other rows.
 """
 
 from __future__ import annotations
