@@ -35,11 +35,13 @@ install-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/streamrl train
 
-## The whole test suite (unit, contract, integration; the vLLM engine's tests too), then lint.
+## Lint (ruff; lint-imports: the layers and no import cycles, pyproject.toml), then the whole
+## test suite (unit, contract, integration; the vLLM engine's tests too).
 ## STREAMRL_REQUIRE_VLLM=1: a missing vLLM fails those tests instead of skipping them.
 ## --durations lists the slowest tests, so CI's 30-minute budget shows where it goes.
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
+	$(BIN)/lint-imports
 	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 \
 		-n $(TEST_WORKERS) --dist worksteal tests
 
@@ -64,6 +66,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check streamrl tests benchmarks
 
 bench: $(STAMP)

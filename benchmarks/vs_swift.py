@@ -59,7 +59,7 @@ Figures (the first `--warmup-steps` steps of every run left out; `--rounds` as i
   logging.jsonl (median, same steps), which times `training_step` (generation, reward, loss,
   backward) but not the gradient clip, the optimizer step or the callbacks.
 - tokens/s, zero-adv: as in vs_trl.py (ms-swift: counted by the reward plugin).
-- accuracy: streamrl's greedy held-out evaluator (`streamrl.runtime.components.Evaluator`) over
+- accuracy: streamrl's greedy held-out evaluator (`streamrl.trainer.evaluate.Evaluator`) over
   the policy before training and over the model ms-swift saved after its last step.
 
 The last line gives, per model size, ms-swift's median s/step over that of streamrl's async run:
@@ -106,8 +106,8 @@ def swift_dataset(work: Workload, run_dir: Path) -> dict[str, Any]:
     from streamrl.api import fields as F
     from streamrl.config import load_config
     from streamrl.data.prompts import encode_prompt
+    from streamrl.data.role import make_feeder
     from streamrl.models.loading import load_tokenizer
-    from streamrl.runtime.components import make_feeder
     from streamrl.runtime.context import prepare
     from streamrl.trainer.sft import ensure_policy_dir
 
@@ -222,8 +222,8 @@ def run_swift(work: Workload, run_dir: Path, swift_python: Path) -> dict[str, An
     """One `swift rlhf` run; step times from the plugin's clock, accuracy by streamrl's evaluator."""
     from streamrl.config import load_config
     from streamrl.models.loading import load_causal_lm
-    from streamrl.runtime.components import Evaluator
     from streamrl.runtime.context import prepare
+    from streamrl.trainer.evaluate import Evaluator
 
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = swift_dataset(work, run_dir)

@@ -64,7 +64,7 @@ system N times, each round starting with the next system, and pools the remainin
 - zero-adv: share of samples whose group's rewards were all equal (advantage 0).
 - accuracy: greedy held-out accuracy on streamrl's held-out split (`data.num_eval` problems whose
   operand pairs never occur in training), by streamrl's own evaluator: for TRL,
-  `streamrl.runtime.components.Evaluator` over the model object TRL trained, before and after.
+  `streamrl.trainer.evaluate.Evaluator` over the model object TRL trained, before and after.
 
 The last line gives, per model size, the median s/step of TRL over that of streamrl's async run:
 "TRL time / streamrl async time = X.XX (tiny), Y.YY (large)" (> 1: streamrl is faster).
@@ -184,10 +184,11 @@ def trl_worker(spec_path: Path, out_path: Path) -> None:
 
     from streamrl.api import fields as F
     from streamrl.config import load_config
+    from streamrl.data.role import make_feeder
     from streamrl.models.loading import load_causal_lm, load_tokenizer
     from streamrl.reward.scoring import resolve_callable, score_text
-    from streamrl.runtime.components import Evaluator, make_feeder
     from streamrl.runtime.context import prepare
+    from streamrl.trainer.evaluate import Evaluator
     from streamrl.trainer.sft import ensure_policy_dir
 
     work = Workload(**json.loads(spec_path.read_text()))

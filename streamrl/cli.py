@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from streamrl.config import ConfigError, dump_yaml, load_config
-from streamrl.config.preflight import check_paths, check_same_data_order, finished
+from streamrl.runtime.preflight import check_paths, check_same_data_order, finished
 
 
 def exit_at_once(code: int) -> None:
@@ -124,8 +124,8 @@ def format_status(run_dir: Path) -> str:
     health and restarts, from `roles.json`, which the supervisor keeps current."""
     import time
 
+    from streamrl.control import check_run_dir, live_job, stop_requested
     from streamrl.metrics.tracker import read_metrics
-    from streamrl.runtime.control import check_run_dir, live_job, stop_requested
     from streamrl.runtime.status import STATUS_FILE, read_status
     from streamrl.trainer.checkpoint import latest_checkpoint
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_yaml(load_config(args.args)))
             return 0
         if args.command == "scale":
-            from streamrl.runtime.control import set_replicas
+            from streamrl.control import set_replicas
 
             role, sep, count = args.request.partition("=")
             if not sep or not count.isdigit():
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "stop":
-            from streamrl.runtime.control import check_run_dir, live_job, request_stop
+            from streamrl.control import check_run_dir, live_job, request_stop
 
             run_dir = Path(args.run_dir)
             check_run_dir(run_dir)

@@ -32,3 +32,18 @@ RETURNS = "returns"
 
 ROLLOUT_OUTPUTS = (RESPONSE_IDS, ROLLOUT_LOGPROBS, VERSIONS, FINISH_REASON)
 REWARD_OUTPUTS = (REWARD, REWARD_STATUS, REWARD_REASON, REWARD_COMPONENTS)
+
+
+# Group ids: the feeder names each group of a batch, refill rounds of dynamic sampling apart; the
+# bus's batch collector reads the round back.
+def group_id(batch_index: int, prompt: int, round_index: int = 0) -> str:
+    """Group id of prompt `prompt` of round `round_index` of batch `batch_index`."""
+    if round_index == 0:
+        return f"b{batch_index}-p{prompt}"
+    return f"b{batch_index}-r{round_index}-p{prompt}"
+
+
+def group_round(group_id: str) -> int:
+    """The refill round a group id belongs to (0 for the feeder's own batch)."""
+    parts = group_id.split("-")
+    return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0

@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from streamrl.data.feeder import group_round
+from streamrl.api.fields import group_round
 
 log = logging.getLogger(__name__)
 

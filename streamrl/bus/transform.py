@@ -11,8 +11,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from streamrl.api.role import RoleBase
 
-class TransformRole(abc.ABC):
+
+class TransformRole(RoleBase, abc.ABC):
     consumer: str = ""
     """Consumer name on the bus (one per role)."""
     consumes: tuple[str, ...] = ()
@@ -24,7 +26,6 @@ class TransformRole(abc.ABC):
         self.bus = bus
         self.max_rows = max_rows
         self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
         self.busy_s = 0.0
 
     @abc.abstractmethod
@@ -38,7 +39,7 @@ class TransformRole(abc.ABC):
             self.max_rows,
             sampler=self.sampler,
             lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
+            wait_s=self.long_poll_s,
         )
         if lease is None:
             return False

@@ -98,11 +98,15 @@ class DataConfig(Section):
         return self
 
 
+BUILTIN_ENGINES = ("builtin", "vllm", "sglang")
+
+
 class RolloutConfig(Section):
-    engine: Literal["builtin", "vllm", "sglang"] = "builtin"
+    engine: str = "builtin"
     """Generation engine: `builtin` (PyTorch only, runs wherever torch runs; Llama-family
     decoders: Qwen3, Qwen2, Llama), `vllm` (install it with `make install-vllm`) or `sglang` (an
-    SGLang server, launched or attached; needs a GPU build of SGLang). See docs/engines.md."""
+    SGLang server, launched or attached; needs a GPU build of SGLang), or one a module of
+    `run.plugins` registers. See docs/engines.md."""
     batch_prompts: int = Field(32, ge=1)
     """Prompts per training step (each sampled `group_size` times)."""
     group_size: int = Field(8, ge=2)
@@ -540,6 +544,9 @@ class RunConfig(Section):
     log_every: int = Field(0, ge=0)
     """Also print every metric on one line every this many steps (0: never; the progress bar
     already shows reward, staleness, tokens/s and accuracy)."""
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules every process of the run imports before it builds anything: they register
+    roles and engines of their own (`streamrl.api.registry`; CONTRIBUTING.md)."""
 
 
 class Config(Section):
@@ -568,6 +575,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.rollout.engine not in BUILTIN_ENGINES and not self.run.plugins:
+            raise ValueError(
+                f"rollout.engine={self.rollout.engine!r} is not an engine: use one of "
+                f"{', '.join(BUILTIN_ENGINES)}, or register your own in a module named in "
+                "run.plugins"
+            )
         if self.trainer.compile and self.trainer.world_size > 1:
             raise ValueError(
                 f"trainer.compile applies to a one-process trainer; trainer.world_size is "

@@ -36,6 +36,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from streamrl.api import fields as F
+from streamrl.api.role import RoleBase
 from streamrl.bus.batches import BatchCollector, BatchKey
 from streamrl.trainer.algos.losses import value_loss
 from streamrl.trainer.logprobs import pack
@@ -194,7 +195,7 @@ def _pad(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
     return out
 
 
-class CriticRole:
+class CriticRole(RoleBase):
     def __init__(
         self,
         bus,
@@ -225,7 +226,6 @@ class CriticRole:
             self._restore(self.snapshots, None if restarted else resume_step)
         self.max_rows = max_rows
         self.lease_s = lease_s
-        self.claim_wait_s = 0.0
         self.busy_s = 0.0
         self.last_loss = float("nan")
         self.batches = BatchCollector(
@@ -242,7 +242,7 @@ class CriticRole:
 
     def step(self) -> bool:
         scored = self._score_new()
-        trained = self._train(wait_s=0.0 if scored else self.claim_wait_s)
+        trained = self._train(wait_s=0.0 if scored else self.long_poll_s)
         return scored or trained
 
     def _score_new(self) -> bool:

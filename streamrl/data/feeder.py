@@ -20,21 +20,9 @@ from typing import Any
 import numpy as np
 
 from streamrl.api import fields as F
+from streamrl.api.fields import group_id, group_round  # noqa: F401 - the feeder names groups
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
-
-
-def group_id(batch_index: int, prompt: int, round_index: int = 0) -> str:
-    """Group id of prompt `prompt` of round `round_index` of batch `batch_index`."""
-    if round_index == 0:
-        return f"b{batch_index}-p{prompt}"
-    return f"b{batch_index}-r{round_index}-p{prompt}"
-
-
-def group_round(group_id: str) -> int:
-    """The refill round a group id belongs to (0 for the feeder's own batch)."""
-    parts = group_id.split("-")
-    return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
 
 
 class PromptFeeder:

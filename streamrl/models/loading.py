@@ -63,3 +63,36 @@ def _check_dir(model_dir: str | Path) -> None:
             f"model directory {str(path)!r} has no config.json: expected a local Hugging Face model "
             "directory (streamrl never downloads weights at run time)"
         )
+
+
+def set_threads(num: int) -> None:
+    """torch's intra-op threads of this process (and of the calling thread's OpenMP pool)."""
+    import torch
+
+    torch.set_num_threads(num)
+
+
+def resolve_device(key: str, device: str) -> str:
+    """A device setting (`key` names it in errors) resolved: `auto` is a GPU when torch sees one."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{key}=cuda, but torch sees no GPU; use {key}=cpu")
+    return device
+
+
+def load_policy_model(ctx, device_key: str = "trainer.device", *, onednn: bool = True):
+    """The policy model of the run `ctx` (an `api.run.RunContext`), on the device the setting
+    `device_key` names (the trainer, reference and pi_old models use `trainer.device`, the
+    builtin engine `rollout.device`). Every role loads its model through here. `onednn=False`
+    keeps PyTorch's own linears whatever `model.onednn_linears` says (a compiled trainer)."""
+    from streamrl.models.onednn import configure_linears
+
+    section, field = device_key.split(".")
+    device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
+    model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
+    if onednn:
+        configure_linears(model, ctx.cfg.model.onednn_linears)
+    return model

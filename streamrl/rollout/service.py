@@ -20,6 +20,7 @@ import numpy as np
 
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
+from streamrl.api.role import RoleBase
 from streamrl.api.weights import wait_newer
 
 CONSUMER = "rollout"
@@ -72,7 +73,7 @@ def result_fields(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-class RolloutRole:
+class RolloutRole(RoleBase):
     def __init__(
         self,
         bus,
@@ -93,7 +94,6 @@ class RolloutRole:
         self.max_rows = max_rows
         self.inflight_updates = inflight_updates
         self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
         self.inflight_poll_s = 0.02
         self.flush_rows = 64
         self._last_poll = 0.0
@@ -125,7 +125,7 @@ class RolloutRole:
         if (
             self._watcher is None
             and self.inflight_updates
-            and self.claim_wait_s > 0  # a runtime where blocking calls are fine
+            and self.long_poll_s > 0  # a runtime where blocking calls are fine
             and callable(getattr(self.weights, "wait_newer", None))
         ):
             self._watcher = PublishWatcher(self.weights, self.engine.version)
@@ -151,12 +151,12 @@ class RolloutRole:
             sampler="fifo",
             where={"batch_index": ("<=", newest_allowed)},
             lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
+            wait_s=self.long_poll_s,
         )
         if lease is None:
             # Nothing admissible: the next batch waits for newer weights (admission control),
             # so wait for a publish inside the weight service rather than polling for it.
-            wait_newer(self.weights, self.engine.version, self.claim_wait_s)
+            wait_newer(self.weights, self.engine.version, self.long_poll_s)
             self.wait_s += time.perf_counter() - claim_started
             return False
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""What every role needs to know about a run, prepared once by the controller.
+"""Preparing a run's context (`api/run.py:RunContext`) once, in the controller.
 
 `prepare` resolves the policy directory (building and warm-starting the built-in model on first
 use), loads the datasets, and fixes the run directory. The result is small and plain, so it can
@@ -11,30 +11,15 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from streamrl.api.run import RunContext
 from streamrl.config import ConfigError
 from streamrl.config.schema import Config
 from streamrl.data.dataset import PromptRow, builtin_rows, format_prompts, load_rows
 from streamrl.data.prompts import CONVERSATION_NEEDS_TEMPLATE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunContext:
-    cfg: Config
-    policy_dir: Path
-    run_dir: Path
-    train_rows: list[PromptRow] | None
-    """The training prompts (None in the Ray processes of roles other than the feeder)."""
-    eval_rows: list[PromptRow]
-    num_malformed_rows: int = 0
-    checkpoint: Path | None = None
-    """Checkpoint the trainer resumes from (None: a fresh start)."""
-    num_overlong_prompts: int = 0
-    """Rows of the data files left out: prompt + rollout.max_new_tokens beyond the context."""
 
 
 def make_run_dir(cfg: Config) -> Path:

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamrl.api.registry import load_plugins
 from streamrl.config import Config, ConfigError, dump_yaml
-from streamrl.config.preflight import check_same_data
+from streamrl.control import RunDirInUse, clear_stop, hold_run_dir, stop_on_interrupt
 from streamrl.metrics import (
     MetricsTracker,
     PeakMemorySampler,
@@ -29,7 +30,6 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide, reward_trend
 from streamrl.runtime.context import make_run_dir, prepare
-from streamrl.runtime.control import RunDirInUse, clear_stop, hold_run_dir, stop_on_interrupt
 from streamrl.runtime.errors import RoleError, RoleFailed, TrainerLost
 from streamrl.runtime.logs import (
     CONTROLLER,
@@ -38,6 +38,7 @@ from streamrl.runtime.logs import (
     log_failure,
     log_path,
 )
+from streamrl.runtime.preflight import check_same_data
 from streamrl.runtime.roles import base_role
 from streamrl.trainer.checkpoint import latest_checkpoint, latest_model_dir, read_state
 from streamrl.trainer.hooks import SAMPLES_LOG
@@ -202,6 +203,7 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
     clear_stop(run_dir)  # a stop asked of an earlier run in this directory is spent
     run_log = attach_controller_log(run_dir)  # logs/controller.log; roles log beside it
     log.info("run %s: mode %s", run_dir, cfg.runtime.mode)
+    load_plugins(cfg.run.plugins)  # roles and engines of the user's own, before anything is built
     memory = PeakMemorySampler(interval_s=0.5)
     memory.start()
     try:
@@ -308,7 +310,7 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
 def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
     mode = ctx.cfg.runtime.mode
     if mode == "sync":
-        from streamrl.runtime.components import set_threads
+        from streamrl.models.loading import set_threads
         from streamrl.runtime.sync import run_sync
 
         set_threads(ctx.cfg.runtime.sync_threads or os.cpu_count() or 1)

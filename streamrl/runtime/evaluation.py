@@ -19,9 +19,9 @@ from pathlib import Path
 from rich.console import Console
 
 from streamrl.config import Config, ConfigError, load_config
-from streamrl.config.preflight import check_paths
 from streamrl.data.dataset import PromptRow
 from streamrl.metrics.progress import phase
+from streamrl.runtime.preflight import check_paths
 from streamrl.trainer.evaluate import EvalResult, SampledResult, report_ks
 
 
@@ -105,8 +105,9 @@ def evaluate(
 ) -> Evaluation:
     """Greedy accuracy of TARGET's model; with `samples` > 0 also pass@k from that many answers
     a prompt at `temperature` (None: the config's `rollout.temperature`)."""
-    from streamrl.runtime.components import Evaluator, load_policy_model
+    from streamrl.models.loading import load_policy_model
     from streamrl.runtime.context import prepare
+    from streamrl.trainer.evaluate import Evaluator
 
     cfg, model_dir = target_config(target, overrides)
     temperature = cfg.rollout.temperature if temperature is None else temperature

@@ -1,79 +1,79 @@
-"""Inline mode: every role an asyncio task in one process, sharing an in-process bus.
+"""Inline mode: every role in one thread of one process, sharing an in-process bus.
 
-For debugging and tests: same roles, same bus contract, same weight-sync interface as the Ray
-runtime, with no processes to start. Each task loops `role.step()`, yielding to the others
-between steps (and sleeping briefly when its role found nothing to do).
+For debugging and tests: the same roles, bus contract and weight-sync interface as the Ray
+runtime, with no processes or threads to start. The driver's `advance` gives every role one
+turn in order, sleeping briefly when none of them found anything to do; no call ever blocks
+(`LoopPolicy.wait_s` = 0).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from streamrl.api.registry import bus_consumers, run_roles
+from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
-from streamrl.runtime.context import RunContext
-from streamrl.runtime.roles import (
-    active_roles,
-    build_role,
-    bus_capacity_groups,
-    bus_consumers,
-    stall_message,
-)
+from streamrl.config.derived import bus_capacity_groups
+from streamrl.runtime.driver import drive
+from streamrl.runtime.roles import RoleLoop, build_role
 from streamrl.weights.dcs import InProcessWeights
 
 
+class InlineDeployment:
+    def __init__(self, trainer: Role, others: dict[str, Role], bus: LocalBus, poll_s: float):
+        self.trainer = trainer
+        self.others = others
+        self.bus = bus
+        self.poll_s = poll_s
+        self._stop = threading.Event()  # never set: the loops only use it to sleep
+        self._loops = [RoleLoop(role, self._stop, 0.0) for role in (trainer, *others.values())]
+
+    def advance(self) -> bool:
+        if self.trainer.done:
+            return True
+        if not any([loop.turn() for loop in self._loops]):  # every role takes its turn
+            self._stop.wait(self.poll_s)
+        return self.trainer.done
+
+    def records(self) -> list[dict[str, Any]]:
+        records = self.trainer.drain()
+        if records:
+            records[-1]["roles"] = self.role_stats()
+        return records
+
+    def role_stats(self) -> dict[str, Any]:
+        return {name: role.stats() for name, role in self.others.items()}
+
+    def bus_stats(self) -> dict[str, Any]:
+        return self.bus.stats()
+
+
 def run_inline(
-    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+    ctx, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
 ) -> dict[str, Any]:
-    return asyncio.run(_run(ctx, on_record, start_step))
-
-
-async def _run(ctx: RunContext, on_record, start_step: int) -> dict[str, Any]:
-    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
-    consumers = active_roles(ctx)
-    for consumer in bus_consumers(ctx):
+    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx.cfg))
+    for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     weights = InProcessWeights()
+    names = [spec.name for spec in run_roles(ctx.cfg)]
     trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)
     others = {
         name: build_role(name, ctx, bus, weights, start_step=start_step)
-        for name in ("feeder", *consumers)
+        for name in names
         if name != "trainer"
     }
-    poll_s = ctx.cfg.runtime.poll_s
-
-    async def loop(role) -> None:
-        while not trainer.done:
-            progressed = role.step()
-            await asyncio.sleep(0 if progressed else poll_s)
-
-    async def train_loop() -> None:
-        last_record = time.perf_counter()
-        while not trainer.done:
-            progressed = trainer.step()
-            for record in trainer.drain():
-                record["roles"] = {name: role.stats() for name, role in others.items()}
-                on_record(record)
-                last_record = time.perf_counter()
-            if time.perf_counter() - last_record > ctx.cfg.runtime.stall_timeout_s:
-                stats = {name: role.stats() for name, role in others.items()}
-                raise RuntimeError(stall_message(ctx, stats, bus.stats()))
-            await asyncio.sleep(0 if progressed else poll_s)
-        for record in trainer.drain():
-            on_record(record)
-
-    for record in trainer.drain():
-        on_record(record)
-    started = time.perf_counter()
+    deployment = InlineDeployment(trainer, others, bus, ctx.cfg.runtime.poll_s)
+    for role in (trainer, *others.values()):
+        role.start()
     try:
-        await asyncio.gather(train_loop(), *(loop(r) for r in others.values()))
+        train_wall_s = drive(ctx, deployment, on_record)
     finally:
-        others["reward"].close()
-        trainer.close()
-    stats = {name: role.stats() for name, role in others.items()}
+        for role in (*others.values(), trainer):
+            role.close()
+    stats = deployment.role_stats()
     stats["trainer"] = trainer.stats()
     stats["bus"] = bus.stats()
-    stats["train_wall_s"] = time.perf_counter() - started
+    stats["train_wall_s"] = train_wall_s
     return stats

@@ -31,6 +31,14 @@ MIN_BUNDLE_CPUS = 0.01
 LIGHT_ROLE_THREADS = 1
 
 
+def role_placement(roles_config, role: str):
+    """`runtime.roles.<role>`; a role a plugin added, which has no section there, is placed as
+    a role that reserves nothing (one replica)."""
+    from streamrl.config.schema import RolePlacement
+
+    return getattr(roles_config, role, None) or RolePlacement()
+
+
 def local_cores(cfg) -> int:
     """Cores of the local Ray instance this run starts: `runtime.num_cpus`, else the cores this
     process may run on."""
@@ -55,7 +63,7 @@ def role_threads(cfg, role: str, cores: int) -> tuple[int, str]:
         return LIGHT_ROLE_THREADS, "light role"
     if explicit[role] is not None:
         return explicit[role], f"{role}.threads"
-    placement = getattr(cfg.runtime.roles, role)
+    placement = role_placement(cfg.runtime.roles, role)
     if placement.num_cpus >= 1:
         return int(placement.num_cpus), f"runtime.roles.{role}.num_cpus"
     if cfg.runtime.ray_address is not None:
@@ -135,7 +143,7 @@ class RolePlacementGroup:
 
         self.roles_config = roles_config
         self.slots = BundleSlots(names)
-        bundles = [bundle(getattr(roles_config, _base_role(n))) for n in names]
+        bundles = [bundle(role_placement(roles_config, _base_role(n))) for n in names]
         self.group = placement_group(bundles, strategy=strategy, name="streamrl-roles")
         try:
             ray.get(self.group.ready(), timeout=timeout_s)
@@ -155,7 +163,7 @@ class RolePlacementGroup:
         the group) its role's ordinary options."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        placement = getattr(self.roles_config, _base_role(name))
+        placement = role_placement(self.roles_config, _base_role(name))
         index = self.slots.assign(name)
         if index is None:
             log.info("%s: no free bundle in the placement group; placed outside it", name)

@@ -1,18 +1,6 @@
 """Ray mode: every role its own Ray actor process, joined by the Ray bus and Ray weight store.
 
-```
- feeder ─rows─► bus actor ◄─claim/write/ack─ rollout, reward, advantage, trainer actors
- trainer ─publish(v, buckets)─► weight store actor ─fetch_newer─► rollout (between decode steps)
- driver: starts everything, drains trainer records, logs, stops the roles when done
-```
-
-| loop | consumes | produces | waits on | unblocked by |
-| --- | --- | --- | --- | --- |
-| feeder | bus capacity | prompt rows of batch b | (max_staleness+1) batches in flight | trainer acks |
-| rollout | prompt rows with b <= version + s | responses, log-probs, versions | weight version | trainer publish |
-| reward | responses | reward + status | responses | rollout |
-| advantage | whole scored groups | advantages | last sample of a group | reward |
-| trainer | groups of batch k with advantages | version k+1 | slowest group of batch k | advantage |
+The dataflow and what each loop waits on: `runtime/driver.py`.
 
 Each actor runs its role's loop in a thread (`run`), so the driver can ask it for stats and
 records or tell it to stop while the loop runs. Ray starts locally when no address is given.
@@ -35,31 +23,27 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from streamrl.runtime.components import batches_per_step, prompts_per_batch
-from streamrl.runtime.context import RunContext
-from streamrl.runtime.control import read_requests
+from streamrl.api.registry import bus_consumers, load_plugins, role_spec, run_roles
+from streamrl.api.run import RunContext
+from streamrl.config.derived import (
+    bus_capacity_groups,
+    groups_per_step,
+    held_groups,
+    in_place_recovery,
+)
+from streamrl.control import read_requests
+from streamrl.runtime.driver import drive
 from streamrl.runtime.errors import RoleNotBuilt
 from streamrl.runtime.logs import attach_role_log, log_failure, start_log_sink
 from streamrl.runtime.placement import (
     RolePlacementGroup,
     local_cores,
     placement_options,
+    role_placement,
     role_threads,
 )
-from streamrl.runtime.recovery import (
-    DeferredAcks,
-    held_groups,
-    in_place_recovery,
-    settle_trainer_rows,
-)
-from streamrl.runtime.roles import (
-    active_roles,
-    base_role,
-    bus_capacity_groups,
-    bus_consumers,
-    loop_role,
-    stall_message,
-)
+from streamrl.runtime.recovery import settle_trainer_rows
+from streamrl.runtime.roles import base_role, loop_role
 from streamrl.runtime.supervisor import Supervisor
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
@@ -82,11 +66,12 @@ class RoleActor:
         threads: int,
         log_sink=None,
     ):
-        from streamrl.runtime.components import set_threads
-        from streamrl.runtime.roles import TORCHLESS_ROLES, build_role
+        from streamrl.models.loading import set_threads
+        from streamrl.runtime.roles import build_role
 
         self.log_handler = attach_role_log(log_sink, name) if log_sink is not None else None
-        uses_torch = base_role(name) not in TORCHLESS_ROLES
+        load_plugins(ctx.cfg.run.plugins)
+        uses_torch = not role_spec(base_role(name)).torchless
         log.info(
             "%s: starting (pid %d, start step %d, %s)",
             name,
@@ -97,8 +82,6 @@ class RoleActor:
         t0 = time.perf_counter()
         if uses_torch:  # importing torch costs a role process about 2 CPU-s
             set_threads(threads)
-        if base_role(name) == "trainer" and in_place_recovery(ctx.cfg):
-            bus = DeferredAcks(bus, ctx.cfg.runtime.lease_s)  # acked once a checkpoint holds them
         self.name = name
         self.weights = weights
         # Set when the role cannot be built: `info` reports it and the supervisor stops the run
@@ -115,6 +98,7 @@ class RoleActor:
                 start_step=start_step,
                 claim_wait_s=ctx.cfg.runtime.claim_wait_s,
                 idle_wait_s=ctx.cfg.runtime.idle_wait_s,
+                overlapping_calls=True,  # the Ray bus client is thread-safe
             )
         except RoleNotBuilt as e:
             self._log_traceback(f"{name}: could not be built")
@@ -134,8 +118,9 @@ class RoleActor:
             "node_id": context.get_node_id(),
             "placement_group": context.get_placement_group_id(),
         }
-        if hasattr(self.weights, "address"):  # the trainer's tcp weight server
-            info["weights_port"] = self.weights.address[1]
+        address = getattr(self.weights, "address", None)  # the trainer's tcp weight server
+        if address is not None:
+            info["weights_port"] = address[1]
         return info
 
     def ping(self) -> bool:
@@ -157,9 +142,7 @@ class RoleActor:
             self._log_traceback(f"{self.name}: loop failed")
             raise
         finally:
-            close = getattr(self.role, "close", None)
-            if close is not None:
-                close()
+            self.role.close()
             try:
                 log.info("%s: stopped; %s", self.name, self.role.stats())
             except Exception as e:  # noqa: BLE001 - a broken role's stats must not hide its error
@@ -185,7 +168,7 @@ class RoleActor:
         return self.role.stats()
 
     def drain(self) -> list[dict[str, Any]]:
-        return self.role.drain() if hasattr(self.role, "drain") else []
+        return self.role.drain()
 
 
 class _QuietTokenNotice(logging.Filter):
@@ -234,11 +217,11 @@ def run_ray(
     ensure_ray(ctx)
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
     rt = ctx.cfg.runtime
-    roles = ["trainer", *(r for r in active_roles(ctx) if r != "trainer"), "feeder"]
+    specs = run_roles(ctx.cfg)
     names = [
-        f"{role}#{i}" if i else role
-        for role in roles
-        for i in range(getattr(rt.roles, role).replicas)
+        f"{spec.name}#{i}" if i else spec.name
+        for spec in specs
+        for i in range(role_placement(rt.roles, spec.name).replicas)
     ]
     group = None
     if rt.placement_group.strategy != "none":  # first: it fails fast if it cannot be reserved
@@ -246,14 +229,13 @@ def run_ray(
             names, rt.roles, rt.placement_group.strategy, rt.placement_group.timeout_s
         )
     log_sink = start_log_sink(ctx.run_dir)
-    groups_per_step = batches_per_step(ctx.cfg) * prompts_per_batch(ctx.cfg)  # refills included
-    capacity = bus_capacity_groups(ctx) + held_groups(ctx.cfg, groups_per_step)
+    capacity = bus_capacity_groups(ctx.cfg) + held_groups(ctx.cfg, groups_per_step(ctx.cfg))
     # A role's call that waits for rows holds one of a shard's threads; each replica has at
     # most two calls in flight (the trainer's prefetch claim and its acks), plus the driver's.
     # Replicas added later (`streamrl scale`) share the margin; past it, calls queue, briefly.
     threads = max(BUS_THREADS, 16 + 4 * len(names))
     bus = RayBus.create(capacity_groups=capacity, shards=rt.bus_shards, max_concurrency=threads)
-    for consumer in bus_consumers(ctx):
+    for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)
     cores = local_cores(ctx.cfg)
@@ -277,11 +259,11 @@ def run_ray(
         if group is not None:  # its bundle (a restarted replica goes back into its own)
             options = group.options(name)
         else:
-            options = placement_options(getattr(rt.roles, base_role(name)))
+            options = placement_options(role_placement(rt.roles, base_role(name)))
         if name == "trainer":
             args = (trainer_start["ctx"], bus, trainer_start["weights"], trainer_start["step"])
         else:
-            role_ctx = ctx if base_role(name) == "feeder" else lean
+            role_ctx = ctx if role_spec(base_role(name)).reads_train_rows else lean
             args = (role_ctx, bus, subscriber, _trainer_step(supervisor, trainer_start["step"]))
         return actor_cls.options(**options).remote(name, *args, threads, log_sink)
 
@@ -302,7 +284,7 @@ def run_ray(
         make_actor,
         bus,
         ctx.run_dir,
-        consumers={"critic": ("critic", "critic_train")},
+        consumers={spec.name: spec.bus_consumers for spec in specs},
         max_restarts=rt.max_restarts,
         backoff_s=rt.restart_backoff_s,
         health_interval_s=rt.health_interval_s,
@@ -331,28 +313,8 @@ def run_ray(
             supervisor.run(others)
         supervisor.run(["trainer"])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
-        loop_started = time.perf_counter()
-        last_record = time.perf_counter()
-        while True:
-            try:
-                records = _drain_trainer(supervisor)
-            except RayActorError as e:
-                # Restarts it in place (or raises TrainerLost: the controller restarts all).
-                supervisor.failed("trainer", f"process died ({type(e).__name__})")
-                continue
-            if records:
-                supervisor.write_status()
-            for record in records:
-                on_record(record)
-                last_record = time.perf_counter()
-            if time.perf_counter() - last_record > rt.stall_timeout_s:
-                raise RuntimeError(stall_message(ctx, _role_stats(supervisor), bus.stats()))
-            if supervisor.check(timeout_s=0.2):
-                break
-            supervisor.reconcile(read_requests(ctx.run_dir))
-        for record in _drain_trainer(supervisor):
-            on_record(record)
-        train_wall_s = time.perf_counter() - loop_started
+        deployment = RayDeployment(supervisor, bus, ctx.run_dir)
+        train_wall_s = drive(ctx, deployment, on_record)
         stats = _role_stats(supervisor)
         stats["bus"] = bus.stats()
         stats["train_wall_s"] = train_wall_s
@@ -426,13 +388,38 @@ def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]
     return TcpSubscriber(host, trainer_info["weights_port"], publisher.token)
 
 
-def _drain_trainer(supervisor: Supervisor) -> list[dict[str, Any]]:
-    """The trainer's new records; the last carries the other roles' cumulative counters, read
-    now, from which the driver takes each step's share of their busy time."""
-    records = ray.get(supervisor.actors["trainer"].drain.remote())
-    if records:
-        records[-1]["roles"] = _role_stats(supervisor, exclude="trainer")
-    return records
+class RayDeployment:
+    """The driver's view of the role actors: their supervisor and the bus."""
+
+    def __init__(self, supervisor: Supervisor, bus, run_dir) -> None:
+        self.supervisor = supervisor
+        self.bus = bus
+        self.run_dir = run_dir
+
+    def advance(self) -> bool:
+        """Supervise for up to 0.2 s (health, restarts), then apply `streamrl scale` requests."""
+        if self.supervisor.check(timeout_s=0.2):
+            return True
+        self.supervisor.reconcile(read_requests(self.run_dir))
+        return False
+
+    def records(self) -> list[dict[str, Any]]:
+        try:
+            records = ray.get(self.supervisor.actors["trainer"].drain.remote())
+        except RayActorError as e:
+            # Restarts it in place (or raises TrainerLost: the controller restarts all).
+            self.supervisor.failed("trainer", f"process died ({type(e).__name__})")
+            return []
+        if records:
+            records[-1]["roles"] = _role_stats(self.supervisor, exclude="trainer")
+            self.supervisor.write_status()
+        return records
+
+    def role_stats(self) -> dict[str, Any]:
+        return _role_stats(self.supervisor)
+
+    def bus_stats(self) -> dict[str, Any]:
+        return self.bus.stats()
 
 
 def _role_stats(supervisor: Supervisor, exclude: str = "") -> dict[str, Any]:

@@ -14,18 +14,24 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl.api import fields as F
-from streamrl.models.loading import load_tokenizer
+from streamrl.api.run import RunContext
+from streamrl.config.derived import batches_per_step
+from streamrl.critic.role import make_critic
+from streamrl.data.role import make_feeder
+from streamrl.models.loading import load_policy_model, load_tokenizer
 from streamrl.reference.service import reference_fields
+from streamrl.reward.role import make_scorer
 from streamrl.reward.service import score_rows
+from streamrl.rollout.engines import make_engine, sampling_params
 from streamrl.rollout.service import result_fields, to_requests
-from streamrl.runtime import components as C
-from streamrl.runtime.context import RunContext
 from streamrl.runtime.errors import building
 from streamrl.trainer.advantage import NORMALISER_FILE, NormaliserLog, advantage_fields
+from streamrl.trainer.advantage_role import advantage_settings
 from streamrl.trainer.algos.shaping import RewardNormaliser
 from streamrl.trainer.checkpoint import load_checkpoint
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 from streamrl.trainer.hooks import TrainerHooks
+from streamrl.trainer.role import make_batch_trainer
 
 
 def run_sync(
@@ -34,19 +40,19 @@ def run_sync(
     cfg = ctx.cfg
     tokenizer = load_tokenizer(ctx.policy_dir)
     with building("feeder"):
-        feeder = C.make_feeder(ctx)
+        feeder = make_feeder(ctx)
     with building("trainer"):
-        trainer = C.make_batch_trainer(ctx)
+        trainer = make_batch_trainer(ctx)
     if ctx.checkpoint is not None:
         load_checkpoint(ctx.checkpoint, trainer.learner)
     hooks = TrainerHooks(ctx, trainer.learner)
     with building("rollout"):
-        engine = C.make_engine(ctx)
+        engine = make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
     with building("reward"):
-        scorer = C.make_scorer(ctx)
-    reference = C.load_policy_model(ctx) if cfg.algorithm.kl_coef > 0 else None
-    adv_settings = C.advantage_settings(cfg)
+        scorer = make_scorer(ctx)
+    reference = load_policy_model(ctx) if cfg.algorithm.kl_coef > 0 else None
+    adv_settings = advantage_settings(cfg)
     reward_norm = (
         RewardNormaliser(adv_settings.reward_norm_momentum) if adv_settings.reward_norm else None
     )
@@ -55,8 +61,8 @@ def run_sync(
         norm_log = NormaliserLog(reward_norm, ctx.run_dir / NORMALISER_FILE, keep_batches=2)
         if ctx.checkpoint is not None:
             norm_log.restore(start_step)
-    critic = C.make_critic(ctx) if cfg.algorithm.advantage == "gae" else None
-    params = C.sampling_params(ctx)
+    critic = make_critic(ctx) if cfg.algorithm.advantage == "gae" else None
+    params = sampling_params(cfg)
     micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
     rollout_s = 0.0
 
@@ -103,7 +109,7 @@ def run_sync(
             rows, plan = batches[0], None
             if cfg.algorithm.dynamic_sampling:
                 plan = StepGroups(
-                    target=cfg.rollout.batch_prompts, max_rounds=C.batches_per_step(cfg)
+                    target=cfg.rollout.batch_prompts, max_rounds=batches_per_step(cfg)
                 )
                 rows, surplus = _refill(plan, batches, step, feeder, batch_rows)
                 trainer.drop_rows(surplus, "surplus")

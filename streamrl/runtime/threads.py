@@ -13,36 +13,32 @@ opposed to their tensor kernels, runs one thread at a time). Use it where the ro
 small next to what Ray's per-call costs add (tiny models on a laptop's few cores); use Ray mode
 for isolation, restarts, GPUs and clusters.
 
-The trainer runs in the calling thread, so its records reach the driver as in inline mode;
-every other role loops in a daemon thread (`loop_role`) until the trainer is done.
+The trainer runs in the driver's thread (a turn of it per `advance`), so its records reach the
+driver as in inline mode; every other role loops in a daemon thread (`loop_role`) until the
+trainer is done.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from streamrl.api.registry import bus_consumers, run_roles
+from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
-from streamrl.runtime.components import set_threads
-from streamrl.runtime.context import RunContext
+from streamrl.config.derived import bus_capacity_groups
+from streamrl.models.loading import set_threads
+from streamrl.runtime.driver import drive
 from streamrl.runtime.errors import RoleFailed, one_line
-from streamrl.runtime.roles import (
-    active_roles,
-    build_role,
-    bus_capacity_groups,
-    bus_consumers,
-    loop_role,
-    stall_message,
-)
+from streamrl.runtime.roles import RoleLoop, build_role, loop_role
 from streamrl.weights.dcs import InProcessWeights
 
 
 class RoleThread:
     """One role looping in a daemon thread; `error` holds what ended it, if it failed."""
 
-    def __init__(self, name: str, role, stop: threading.Event, poll_s: float):
+    def __init__(self, name: str, role: Role, stop: threading.Event, poll_s: float):
         self.name = name
         self.role = role
         self.error: BaseException | None = None
@@ -62,17 +58,50 @@ class RoleThread:
             self._stop.set()
 
 
+class ThreadsDeployment:
+    def __init__(self, trainer: Role, others: dict[str, RoleThread], bus, poll_s: float):
+        self.trainer = trainer
+        self.others = others
+        self.bus = bus
+        self.stop = threading.Event()
+        self._loop = RoleLoop(trainer, self.stop, poll_s)
+
+    def advance(self) -> bool:
+        """A turn of the trainer, after checking that no other role's thread failed."""
+        failed = next((t for t in self.others.values() if t.error is not None), None)
+        if failed is not None:
+            raise RoleFailed(f"role {failed.name} failed: {one_line(failed.error)}") from (
+                failed.error
+            )
+        if self.trainer.done:
+            return True
+        self._loop.turn()
+        return self.trainer.done
+
+    def records(self) -> list[dict[str, Any]]:
+        records = self.trainer.drain()
+        if records:
+            records[-1]["roles"] = self.role_stats()
+        return records
+
+    def role_stats(self) -> dict[str, Any]:
+        return {name: t.role.stats() for name, t in self.others.items()}
+
+    def bus_stats(self) -> dict[str, Any]:
+        return self.bus.stats()
+
+
 def run_threads(
-    ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
+    ctx, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
 ) -> dict[str, Any]:
     rt = ctx.cfg.runtime
     set_threads(1)
-    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
-    for consumer in bus_consumers(ctx):
+    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx.cfg))
+    for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     weights = InProcessWeights()
 
-    def build(name: str):
+    def build(name: str) -> Role:
         return build_role(
             name,
             ctx,
@@ -81,65 +110,29 @@ def run_threads(
             start_step=start_step,
             claim_wait_s=rt.claim_wait_s,
             idle_wait_s=rt.idle_wait_s,
+            overlapping_calls=True,  # the local bus is thread-safe
         )
 
     trainer = build("trainer")
-    stop = threading.Event()
-    others = {
-        name: RoleThread(name, build(name), stop, rt.poll_s)
-        for name in ("feeder", *active_roles(ctx))
-        if name != "trainer"
+    deployment = ThreadsDeployment(trainer, {}, bus, rt.poll_s)
+    deployment.others = {
+        spec.name: RoleThread(spec.name, build(spec.name), deployment.stop, rt.poll_s)
+        for spec in run_roles(ctx.cfg)
+        if spec.name != "trainer"
     }
-
-    def role_stats() -> dict[str, Any]:
-        return {name: t.role.stats() for name, t in others.items()}
-
-    for record in trainer.drain():
-        on_record(record)
-    started = time.perf_counter()
-    for t in others.values():
+    trainer.start()
+    for t in deployment.others.values():
         t.thread.start()
     try:
-        _train(ctx, trainer, bus, others, stop, role_stats, on_record)
+        train_wall_s = drive(ctx, deployment, on_record)
     finally:
-        stop.set()
-        for t in others.values():
+        deployment.stop.set()
+        for t in deployment.others.values():
             t.thread.join(timeout=rt.idle_wait_s + rt.claim_wait_s + 30.0)
-            close = getattr(t.role, "close", None)
-            if close is not None:
-                close()
+            t.role.close()
         trainer.close()
-    stats = role_stats()
+    stats = deployment.role_stats()
     stats["trainer"] = trainer.stats()
     stats["bus"] = bus.stats()
-    stats["train_wall_s"] = time.perf_counter() - started
+    stats["train_wall_s"] = train_wall_s
     return stats
-
-
-def _train(ctx, trainer, bus, others, stop, role_stats, on_record) -> None:
-    """The trainer's loop in this thread, handing its records on as they come; ends the run
-    when another role's thread fails or no step finishes for `runtime.stall_timeout_s`."""
-    stall_timeout_s = ctx.cfg.runtime.stall_timeout_s
-    last_record = time.perf_counter()
-
-    def after_step() -> None:
-        nonlocal last_record
-        failed = next((t for t in others.values() if t.error is not None), None)
-        if failed is not None:
-            raise RoleFailed(f"role {failed.name} failed: {one_line(failed.error)}") from (
-                failed.error
-            )
-        records = trainer.drain()
-        if records:
-            records[-1]["roles"] = role_stats()
-        for record in records:
-            on_record(record)
-            last_record = time.perf_counter()
-        if time.perf_counter() - last_record > stall_timeout_s:
-            raise RuntimeError(stall_message(ctx, role_stats(), bus.stats()))
-
-    loop_role(trainer, stop, ctx.cfg.runtime.poll_s, after_step=after_step)
-    if stop.is_set():  # a role failed while the trainer waited
-        after_step()
-    for record in trainer.drain():
-        on_record(record)

@@ -267,7 +267,7 @@ class AdvantageRole(TransformRole):
     def step(self) -> bool:
         if not self.settings.whole_batch:
             return super().step()
-        complete = self.batches.poll(wait_s=self.claim_wait_s)
+        complete = self.batches.poll(wait_s=self.long_poll_s)
         if complete is None:
             return self.batches.claimed
         key, rows = complete

@@ -9,6 +9,7 @@ trainer that evaluates.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,15 @@ from typing import Any
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.api.reward import RewardResult
+from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
+from streamrl.data.prompts import encode_prompt
+from streamrl.models.loading import load_tokenizer
+from streamrl.reward.role import make_scorer
 from streamrl.reward.sandbox import ScoreTask
+from streamrl.rollout.engines import builtin_engine
+
+log = logging.getLogger(__name__)
 
 # Results that are not a score of the response (an invalid output is one: not correct).
 UNSCORED = ("timeout", "infra_error")
@@ -189,3 +197,53 @@ class HeldOut:
         scores = self.scorer.score(tasks)
         hit = [is_correct(s, self.correct_at) for s in scores]
         return tasks, scores, hit
+
+
+class Evaluator:
+    """Held-out accuracy of a model (greedy, or pass@k of sampled answers), with its own engine
+    over the same model object."""
+
+    def __init__(self, ctx: RunContext, model):
+        tokenizer = load_tokenizer(ctx.policy_dir)
+        chat = ctx.cfg.data.chat_template
+        self.held_out = HeldOut(
+            engine=builtin_engine(ctx, model),
+            tokenizer=tokenizer,
+            rows=ctx.eval_rows,
+            prompt_ids=[
+                encode_prompt(tokenizer, r.prompt, chat_template=chat) for r in ctx.eval_rows
+            ],
+            scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
+            max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+            correct_at=ctx.cfg.trainer.eval_correct_at,
+        )
+        self.seed = ctx.cfg.run.seed
+
+    def evaluate(self) -> EvalResult:
+        self.held_out.engine.model.eval()
+        result = self.held_out.greedy()
+        self._warn_unscored(len(self.held_out.rows), result.unscored_text())
+        return result
+
+    @staticmethod
+    def _warn_unscored(num: int, unscored_text: str) -> None:
+        if unscored_text:
+            log.warning(
+                "held-out evaluation of %d responses: %s; counted as not correct",
+                num,
+                unscored_text,
+            )
+
+    def sample(self, samples: int, temperature: float, advance=lambda n: None) -> SampledResult:
+        """pass@k of the held-out prompts from `samples` answers each at `temperature`."""
+        self.held_out.engine.model.eval()
+        result = self.held_out.sampled(samples, temperature, seed=self.seed, advance=advance)
+        self._warn_unscored(samples * len(self.held_out.rows), result.unscored_text())
+        return result
+
+    def accuracy(self) -> float:
+        return self.evaluate().accuracy
+
+    def close(self) -> None:
+        """Stop the reward sandbox's worker (it also ends with this process)."""
+        self.held_out.scorer.close()

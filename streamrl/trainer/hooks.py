@@ -18,11 +18,10 @@ import logging
 import time
 from typing import Any
 
-from streamrl.runtime.components import Evaluator
-from streamrl.runtime.context import RunContext
-from streamrl.runtime.control import stop_requested
+from streamrl.api.run import RunContext
+from streamrl.control import stop_requested
 from streamrl.trainer.checkpoint import save_checkpoint
-from streamrl.trainer.evaluate import report_ks
+from streamrl.trainer.evaluate import Evaluator, report_ks
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from streamrl.api import fields as F
 from streamrl.api.bus import BusFullError
+from streamrl.api.role import LoopPolicy
 from streamrl.metrics.stats import summarize
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 
@@ -222,11 +223,10 @@ class TrainerRole:
         self.batch_prompts = batch_prompts
         self.micro_batch_rows = micro_batch_rows
         self.lease_s = lease_s
-        self.claim_wait_s = 0.0  # set by runtimes whose bus supports long polls
-        # Claim the next micro-batch in a second thread while this one trains (runtimes whose
-        # bus client may be called from two threads set it): the claim's round trip then
-        # overlaps the forward and backward instead of following them.
-        self.prefetch_claims = False
+        # With `policy.overlapping_calls` (runtimes whose bus client may be called from two
+        # threads), the next micro-batch is claimed in a second thread while this one trains:
+        # the claim's round trip then overlaps the forward and backward instead of following them.
+        self.policy = LoopPolicy()
         self._prefetch: Future | None = None
         self._claimer: ThreadPoolExecutor | None = None
         self.current = start_step
@@ -238,6 +238,9 @@ class TrainerRole:
         self._held: dict[str, list[Mapping[str, Any]]] = {}  # claimed groups not yet decided
         self._tried_round: tuple[int, int] | None = None  # (step, round) last tried
         self._step_started = self._renewed = time.perf_counter()
+
+    def configure(self, policy: LoopPolicy) -> None:
+        self.policy = policy
 
     def reset_step_clock(self) -> None:
         """The next step's time (`time/step_s`) counts from now. Called when the driver loop
@@ -300,7 +303,7 @@ class TrainerRole:
             sampler="group",
             where={"batch_index": ("==", self.current)},
             lease_s=self.lease_s,
-            wait_s=self.claim_wait_s,
+            wait_s=self.policy.wait_s,
         )
 
     def close(self) -> None:
@@ -369,7 +372,7 @@ class TrainerRole:
     def _prefetch_claim(self) -> None:
         """Claim the next micro-batch in the claiming thread: of the current step, or, right after
         a step ends, the first of the next one (it then overlaps the weight publish)."""
-        if not self.prefetch_claims:
+        if not self.policy.overlapping_calls:
             return
         if self._claimer is None:
             self._claimer = ThreadPoolExecutor(1, thread_name_prefix="trainer-claim")

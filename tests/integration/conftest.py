@@ -36,14 +36,20 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(
-    args: list[str], *, timeout: float = 600, check_ok: bool = True, **kwargs
+    args: list[str],
+    *,
+    timeout: float = 600,
+    check_ok: bool = True,
+    extra_env: dict[str, str] | None = None,
+    **kwargs,
 ) -> subprocess.CompletedProcess:
     """Run `python -m streamrl.cli ARGS` to completion; fail the test with its output if it fails
-    (unless `check_ok` is False: then the caller checks the outcome)."""
+    (unless `check_ok` is False: then the caller checks the outcome). `extra_env` adds to the
+    environment."""
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl.cli", *args],
         cwd=REPO,
-        env=cli_env(),
+        env={**cli_env(), **(extra_env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

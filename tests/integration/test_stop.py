@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from streamrl.runtime.control import stop_requested
+from streamrl.control import stop_requested
 from tests.integration.conftest import QUICK, run_cli
 from tests.integration.test_faults import all_ids, finish, start, steps_done, trained_ids, wait_for
 

@@ -371,7 +371,7 @@ def test_cli_eval_says_what_it_cannot_evaluate(
 def test_a_new_run_from_a_trained_model_is_warned_of_a_learning_rate_far_above_its_last(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from streamrl.config.preflight import warn_on_a_trained_model
+    from streamrl.runtime.preflight import warn_on_a_trained_model
 
     (tmp_path / "config.yaml").write_text(dump_yaml(load_config([])))  # ended at 3e-5
     model = tmp_path / "checkpoints" / "step-000100" / "model"
@@ -413,7 +413,7 @@ def test_cli_refuses_a_head_size_vllms_cpu_attention_cannot_run(
     import torch
     from transformers import Qwen3Config
 
-    from streamrl.config.preflight import check_vllm_cpu_head_size
+    from streamrl.runtime.preflight import check_vllm_cpu_head_size
 
     if importlib.util.find_spec("vllm") is None or torch.cuda.is_available():
         pytest.skip("needs vLLM's CPU build on a machine without a GPU")
@@ -444,7 +444,7 @@ def test_cli_resume_refuses_overrides_that_change_the_data_order(
 
 
 def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path: Path) -> None:
-    from streamrl.config.preflight import check_same_data_order
+    from streamrl.runtime.preflight import check_same_data_order
 
     data = tmp_path / "train.jsonl"
     builtin, own = load_config([]), load_config([f"data.train_file={data}"])
@@ -455,8 +455,8 @@ def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path
 
 
 def test_a_run_is_not_resumed_on_training_rows_other_than_it_started_on(tmp_path: Path) -> None:
-    from streamrl.config.preflight import DATA_FILE, check_same_data
     from streamrl.data.dataset import PromptRow, rows_digest
+    from streamrl.runtime.preflight import DATA_FILE, check_same_data
 
     cfg = load_config([])
     rows = [PromptRow(f"{i}+1=", str(i + 1)) for i in range(4)]

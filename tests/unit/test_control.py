@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from streamrl.runtime.control import (
+from streamrl.control import (
     LOCK_FILE,
     RunDirInUse,
     clear_stop,
@@ -54,7 +54,7 @@ def test_requests_need_a_run_directory_and_sensible_values(tmp_path, run_dir) ->
 HOLDER = """
 import os, sys, time
 from pathlib import Path
-from streamrl.runtime.control import hold_run_dir
+from streamrl.control import hold_run_dir
 lock = hold_run_dir(Path(sys.argv[1]))
 if os.fork() == 0:  # a forked child (a reward sandbox, say) outlives its parent
     time.sleep(60)

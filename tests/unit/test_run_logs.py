@@ -95,7 +95,7 @@ def _fake_run(run_dir):
 
 
 HOLDER = (
-    "import sys, time; from pathlib import Path; from streamrl.runtime.control import "
+    "import sys, time; from pathlib import Path; from streamrl.control import "
     "hold_run_dir; lock = hold_run_dir(Path(sys.argv[1])); print('held', flush=True); "
     "time.sleep(60)"
 )

@@ -23,10 +23,12 @@ import pytest
 import torch
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
+from streamrl.api.run import RunContext
 from streamrl.config.loader import load_config
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.rollout.builtin_engine import BuiltinEngine
+from streamrl.rollout.engines import make_engine
 from streamrl.rollout.sglang_client import free_port
 from streamrl.rollout.sglang_engine import (
     SglangEngine,
@@ -34,8 +36,6 @@ from streamrl.rollout.sglang_engine import (
     SglangSettings,
     request_seed,
 )
-from streamrl.runtime.components import make_engine
-from streamrl.runtime.context import RunContext
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 FAKE_SERVER = Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py"

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from streamrl.api.role import RoleBase
+from streamrl.runtime.driver import drive
 from streamrl.runtime.roles import loop_role
-from streamrl.runtime.threads import RoleThread, _train
+from streamrl.runtime.threads import RoleThread, ThreadsDeployment
 from streamrl.weights.dcs import InProcessWeights
 
 
@@ -56,7 +58,7 @@ def test_fetch_never_sees_a_version_without_its_tensors():
     assert mismatches == []
 
 
-class _Counter:
+class _Counter(RoleBase):
     """A role that works `work` times, then finds nothing to do."""
 
     def __init__(self, work: int):
@@ -82,24 +84,16 @@ def test_loop_role_stops_when_told():
     assert role.work == 0 and role.steps > 5  # worked, then kept looking while idle
 
 
-class _Broken:
+class _Broken(RoleBase):
     def step(self) -> bool:
         raise ValueError("reward model exploded")
 
-    def stats(self) -> dict:
-        return {}
 
-
-class _WaitingTrainer:
+class _WaitingTrainer(RoleBase):
     """A trainer that never gets work (its inputs come from the broken role)."""
-
-    done = False
 
     def step(self) -> bool:
         return False
-
-    def drain(self) -> list:
-        return []
 
 
 def test_a_failing_role_thread_ends_the_run_with_its_error():
@@ -113,14 +107,15 @@ def test_a_failing_role_thread_ends_the_run_with_its_error():
         cfg=SimpleNamespace(runtime=SimpleNamespace(stall_timeout_s=60, poll_s=0.001))
     )
     bus = SimpleNamespace(stats=lambda: {})
+    deployment = ThreadsDeployment(_WaitingTrainer(), {"reward": broken}, bus, poll_s=0.001)
     with pytest.raises(RuntimeError, match="role reward failed.*reward model exploded"):
-        _train(ctx, _WaitingTrainer(), bus, {"reward": broken}, stop, lambda: {}, lambda r: None)
+        drive(ctx, deployment, lambda r: None)
 
 
 def test_the_run_stalls_out_with_a_diagnosis():
-    stop = threading.Event()
     cfg = SimpleNamespace(runtime=SimpleNamespace(stall_timeout_s=0.1, poll_s=0.001))
     ctx = SimpleNamespace(cfg=cfg)
     bus = SimpleNamespace(stats=lambda: {"live_rows": 0})
+    deployment = ThreadsDeployment(_WaitingTrainer(), {}, bus, poll_s=0.001)
     with pytest.raises(RuntimeError, match="no training step finished"):
-        _train(ctx, _WaitingTrainer(), bus, {}, stop, lambda: {}, lambda r: None)
+        drive(ctx, deployment, lambda r: None)

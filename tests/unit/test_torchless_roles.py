@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from streamrl.runtime.roles import TORCHLESS_ROLES
+from streamrl.api.registry import role_spec
 
 SCRIPT = textwrap.dedent(
     """
@@ -24,9 +24,12 @@ SCRIPT = textwrap.dedent(
     from streamrl.bus.local import LocalBus
     from streamrl.config.loader import load_config
     from streamrl.models.loading import load_tokenizer
-    from streamrl.runtime.context import RunContext, load_datasets
+    from streamrl.api.registry import bus_consumers
+    from streamrl.api.run import RunContext
+    from streamrl.config.derived import bus_capacity_groups
+    from streamrl.runtime.context import load_datasets
     from streamrl.runtime.ray_runtime import RoleActor  # the module a Ray role process loads
-    from streamrl.runtime.roles import bus_capacity_groups, bus_consumers, build_role
+    from streamrl.runtime.roles import build_role
     from streamrl.weights.dcs import InProcessWeights
 
     model_dir, run_dir = sys.argv[1], sys.argv[2]
@@ -34,8 +37,8 @@ SCRIPT = textwrap.dedent(
     train, evals, _ = load_datasets(cfg)
     ctx = RunContext(cfg=cfg, policy_dir=Path(model_dir), run_dir=Path(run_dir),
                      train_rows=train, eval_rows=evals)
-    bus = LocalBus(capacity_groups=bus_capacity_groups(ctx))
-    for consumer in bus_consumers(ctx):
+    bus = LocalBus(capacity_groups=bus_capacity_groups(cfg))
+    for consumer in bus_consumers(cfg):
         bus.register_consumer(consumer)
     feeder, reward = (build_role(name, ctx, bus, InProcessWeights(), start_step=0)
                       for name in ("feeder", "reward"))
@@ -63,7 +66,12 @@ SCRIPT = textwrap.dedent(
 
 
 def test_feeder_and_reward_roles_never_import_torch(model_dir, tmp_path):
-    assert set(TORCHLESS_ROLES) == {"feeder", "reward"}
+    assert {
+        name for name in ("feeder", "reward", "rollout", "trainer") if role_spec(name).torchless
+    } == {
+        "feeder",
+        "reward",
+    }
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(model_dir), str(tmp_path)],
         capture_output=True,

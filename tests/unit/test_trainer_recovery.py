@@ -5,9 +5,11 @@ the other roles run on) is tests/integration/test_faults.py."""
 
 from __future__ import annotations
 
+from streamrl.bus.deferred import DeferredAcks
 from streamrl.bus.local import LocalBus
 from streamrl.config import load_config
-from streamrl.runtime.recovery import DeferredAcks, held_groups, settle_trainer_rows
+from streamrl.config.derived import held_groups
+from streamrl.runtime.recovery import settle_trainer_rows
 
 
 def batch(b: int) -> list[dict]:

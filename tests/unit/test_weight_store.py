@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import ray
 
+from streamrl.api.role import LoopPolicy
 from streamrl.api.weights import wait_newer
-from streamrl.runtime.roles import FeederRole
+from streamrl.data.role import FeederRole
 from streamrl.weights.collective_channel import GroupDirectory
 from streamrl.weights.dcs import RayWeights
 
@@ -111,25 +112,23 @@ def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None
         wait_for_batch=lambda batch, wait_s: waits.append((batch, wait_s)),
     )
     assert role.step() is False
-    assert waits == []  # claim_wait_s = 0 (inline mode): never block
-    role.claim_wait_s = 0.05
+    assert waits == []  # wait_s = 0 (inline mode): never block
+    role.configure(LoopPolicy(wait_s=0.05))
     assert role.step() is False
     assert waits == [(5, 0.05)]
 
 
 def test_only_roles_that_the_bus_gives_work_to_wait_long() -> None:
-    from streamrl.reward.service import RewardRole
-    from streamrl.runtime.roles import long_poll_s
-    from streamrl.trainer.advantage import AdvantageRole
+    from streamrl.api.registry import role_spec
+    from streamrl.runtime.roles import loop_policy
 
-    feeder = FeederRole(_RoomyBus(), _Feeder(), start_batch=0, end_batch=1)
-    for bus_only in (object.__new__(RewardRole), object.__new__(AdvantageRole), feeder):
-        assert long_poll_s(bus_only, 0.05, 1.0) == 1.0
-        assert long_poll_s(bus_only, 0.0, 1.0) == 0.0  # inline mode: never block
-        assert long_poll_s(bus_only, 0.05, None) == 0.05
-    from streamrl.rollout.service import RolloutRole
-
-    assert long_poll_s(object.__new__(RolloutRole), 0.05, 1.0) == 0.05  # needs its version
+    for name in ("reward", "advantage", "feeder", "reference", "logp"):
+        spec = role_spec(name)
+        assert loop_policy(spec, 0.05, 1.0, True).wait_s == 1.0
+        assert loop_policy(spec, 0.0, 1.0, False).wait_s == 0.0  # inline mode: never block
+        assert loop_policy(spec, 0.05, None, True).wait_s == 0.05
+    for name in ("rollout", "trainer", "critic"):  # they need a version or a step of their own
+        assert loop_policy(role_spec(name), 0.05, 1.0, True).wait_s == 0.05
 
 
 class _CountingWeights:
@@ -169,7 +168,7 @@ def test_rollout_asks_for_inflight_weights_only_after_a_publish(weights: RayWeig
         inflight_updates=True,
         lease_s=10.0,
     )
-    role.claim_wait_s = 0.5
+    role.configure(LoopPolicy(wait_s=0.5))
     role._start_watcher()
     try:
         for _ in range(50):

@@ -1,0 +1,56 @@
+"""Quantities derived from the config that several roles and the runtime share.
+
+Pure functions of `Config`, so the feeder, the trainer, the bus's sizing and the synchronous
+loop agree on them without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+from streamrl.config.schema import Config
+
+
+def prompts_per_batch(cfg: Config) -> int:
+    """Prompts (groups) per generation batch (the feeder's, and each dynamic-sampling refill):
+    `batch_prompts`, times `dynamic_sampling_oversample` under dynamic sampling."""
+    a = cfg.algorithm
+    if a.dynamic_sampling:
+        return math.ceil(a.dynamic_sampling_oversample * cfg.rollout.batch_prompts)
+    return cfg.rollout.batch_prompts
+
+
+def batches_per_step(cfg: Config) -> int:
+    """Most generation batches one training step may use: dynamic sampling's cap, else 1."""
+    a = cfg.algorithm
+    return a.dynamic_sampling_max_batches if a.dynamic_sampling else 1
+
+
+def rows_per_batch(cfg: Config) -> int:
+    """Sample rows of one generation batch: its groups times `group_size`."""
+    return prompts_per_batch(cfg) * cfg.rollout.group_size
+
+
+def bus_capacity_groups(cfg: Config) -> int:
+    """At most (max_staleness + 1) batches of prompts in flight, plus room for the refill
+    batches of the step being trained under dynamic sampling (reserved: the feeder leaves it)."""
+    return (cfg.rollout.max_staleness + batches_per_step(cfg)) * prompts_per_batch(cfg)
+
+
+def in_place_recovery(cfg: Config) -> bool:
+    """Whether a lost trainer restarts alone (else the controller restarts every role). Only Ray
+    mode supervises roles; inline and sync runs keep their bus as it was."""
+    rt = cfg.runtime
+    return (
+        rt.mode == "ray" and rt.trainer_recovery == "in_place" and cfg.trainer.checkpoint_every > 0
+    )
+
+
+def groups_per_step(cfg: Config) -> int:
+    """Most groups one training step may take, refill batches included."""
+    return batches_per_step(cfg) * prompts_per_batch(cfg)
+
+
+def held_groups(cfg: Config, groups_per_step: int) -> int:
+    """Extra bus capacity for the trained rows no checkpoint covers yet (in-place recovery)."""
+    return cfg.trainer.checkpoint_every * groups_per_step if in_place_recovery(cfg) else 0

@@ -1,0 +1,100 @@
+"""The feeder role: adds one batch of prompt groups to the bus whenever the bus has room.
+
+Capacity is the backpressure: at most (max_staleness + 1) batches are in flight, and room is
+left for the trainer's dynamic-sampling refills. When the trainer keeps trained rows for its
+recovery in place, capacity no longer bounds how far ahead the feeder runs: the newest batch
+rollout may generate does (version + max_staleness).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from streamrl.api.role import RoleBase
+from streamrl.api.run import RunContext
+from streamrl.api.weights import wait_newer
+from streamrl.config.derived import batches_per_step, in_place_recovery, prompts_per_batch
+from streamrl.data.feeder import PromptFeeder
+from streamrl.models.loading import load_tokenizer
+
+
+class FeederRole(RoleBase):
+    """Adds batches `start_batch` .. `end_batch - 1`, leaving `reserve_groups` free for the
+    trainer's refills; `newest_batch()` (if given) bounds the next batch it may add, and
+    `wait_for_batch(batch, wait_s)` blocks until that batch may be admissible."""
+
+    def __init__(
+        self,
+        bus,
+        feeder: PromptFeeder,
+        *,
+        start_batch: int,
+        end_batch: int,
+        reserve_groups: int = 0,
+        newest_batch: Callable[[], int] | None = None,
+        wait_for_batch: Callable[[int, float], None] | None = None,
+    ):
+        self.bus = bus
+        self.feeder = feeder
+        self.next_batch = start_batch
+        self.end_batch = end_batch
+        self.reserve_groups = reserve_groups
+        self.newest_batch = newest_batch
+        self.wait_for_batch = wait_for_batch
+
+    def step(self) -> bool:
+        if self.next_batch >= self.end_batch:
+            return False
+        # The policy version first: while it rules the next batch out, the bus is not asked.
+        if self.newest_batch is not None and self.next_batch > self.newest_batch():
+            if self.wait_for_batch is not None and self.long_poll_s > 0:
+                self.wait_for_batch(self.next_batch, self.long_poll_s)
+            return False
+        if not self.bus.can_add(
+            self.feeder.batch_prompts + self.reserve_groups, wait_s=self.long_poll_s
+        ):
+            return False
+        self.bus.add_rows(self.feeder.batch(self.next_batch))
+        self.next_batch += 1
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"next_batch": self.next_batch}
+
+
+def make_feeder(ctx: RunContext) -> PromptFeeder:
+    """The run's prompt feeder (the feeder role's, and the trainer's for refills)."""
+    cfg = ctx.cfg
+    return PromptFeeder(
+        ctx.train_rows,
+        load_tokenizer(ctx.policy_dir),
+        batch_prompts=prompts_per_batch(cfg),
+        group_size=cfg.rollout.group_size,
+        seed=cfg.data.seed,
+        max_rounds=batches_per_step(cfg),
+        chat_template=cfg.data.chat_template,
+    )
+
+
+def feeder_bound(cfg, weights, start_step: int) -> Callable[[], int] | None:
+    """The newest batch the feeder may add while rows are held for recovery: what rollout may
+    generate now (version + max_staleness), the bound the bus's capacity sets otherwise."""
+    if not in_place_recovery(cfg):
+        return None
+    return lambda: max(weights.latest_version(), start_step) + cfg.rollout.max_staleness
+
+
+def build(ctx: RunContext, bus, weights, *, start_step: int) -> FeederRole:
+    cfg = ctx.cfg
+    return FeederRole(
+        bus,
+        make_feeder(ctx),
+        start_batch=start_step,
+        end_batch=cfg.trainer.steps,
+        reserve_groups=(batches_per_step(cfg) - 1) * prompts_per_batch(cfg),
+        newest_batch=feeder_bound(cfg, weights, start_step),
+        wait_for_batch=lambda batch, wait_s: wait_newer(
+            weights, batch - cfg.rollout.max_staleness - 1, wait_s
+        ),
+    )

@@ -1,0 +1,98 @@
+"""The built-in engine factories: `rollout.engine` (builtin, vllm, sglang) to an engine.
+
+Each is registered by name in `api/registry.py`; `make_engine` builds the one the config names,
+also one a plugin registered. Every factory takes the run context and returns an object that
+speaks `api/engine.py`'s protocol. The heavy imports (torch, vLLM) happen inside the factory
+that needs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from streamrl.api.engine import SamplingParams
+from streamrl.api.registry import engine_factory
+from streamrl.api.run import RunContext
+from streamrl.config.schema import Config
+from streamrl.models.loading import load_policy_model, load_tokenizer
+
+
+def make_engine(ctx: RunContext, model=None) -> Any:
+    """The rollout engine `rollout.engine` names. Given `model` (the evaluator shares the
+    trainer's model object), always the builtin engine over that model."""
+    if model is not None:
+        return builtin_engine(ctx, model)
+    return engine_factory(ctx.cfg.rollout.engine)(ctx)
+
+
+def builtin_engine(ctx: RunContext, model=None):
+    """streamrl's own engine (PyTorch only) over `model`, or over the policy loaded on
+    `rollout.device`."""
+    from streamrl.models.onednn import resolve_onednn
+    from streamrl.rollout.builtin_engine import BuiltinEngine
+
+    tok = load_tokenizer(ctx.policy_dir)
+    if model is None:
+        model = load_policy_model(ctx, "rollout.device")
+    return BuiltinEngine(
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_batch_size=ctx.cfg.rollout.max_batch_size,
+        use_onednn=resolve_onednn(ctx.cfg.model.onednn_linears),
+    )
+
+
+def vllm_engine(ctx: RunContext):
+    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+
+    r = ctx.cfg.rollout
+    settings = VllmSettings(
+        dtype=ctx.cfg.model.dtype if r.vllm_dtype == "auto" else r.vllm_dtype,
+        max_model_len=r.vllm_max_model_len,
+        max_num_seqs=r.max_batch_size,
+        kv_cache_gib=r.vllm_kv_cache_gib,
+        enforce_eager=r.vllm_enforce_eager,
+        enable_prefix_caching=r.vllm_prefix_caching,
+        in_process=r.vllm_in_process,
+        num_engines=r.vllm_engines,
+        seed=ctx.cfg.run.seed,
+        extra=dict(r.vllm_engine_kwargs),
+    )
+    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
+    return VllmEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
+
+
+def sglang_engine(ctx: RunContext):
+    """An SGLang server, launched or attached (`rollout.sglang_*`)."""
+    from streamrl.rollout.sglang_engine import DEFAULT_LAUNCH_CMD, SglangEngine, SglangSettings
+
+    r = ctx.cfg.rollout
+    settings = SglangSettings(
+        url=r.sglang_url,
+        launch_cmd=tuple(r.sglang_launch_cmd or DEFAULT_LAUNCH_CMD),
+        launch_args=tuple(r.sglang_launch_args),
+        dtype=ctx.cfg.model.dtype if r.sglang_dtype == "auto" else r.sglang_dtype,
+        deterministic=r.sglang_deterministic,
+        max_running_requests=r.max_batch_size,
+        startup_timeout_s=r.sglang_startup_timeout_s,
+        request_timeout_s=r.sglang_request_timeout_s,
+        weights_dir=r.sglang_weights_dir or Path(ctx.run_dir) / "sglang",
+        weight_sync=r.sglang_weight_sync,
+    )
+    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
+    return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=cfg.run.seed
+    )
+
+
+def rows_per_claim(cfg: Config) -> int:
+    """Rows a rollout service claims at once: `max_batch_size` for each engine it drives."""
+    r = cfg.rollout
+    return r.max_batch_size * (r.vllm_engines if r.engine == "vllm" else 1)
