@@ -149,8 +149,8 @@ def swift_dataset(work: Workload, run_dir: Path) -> dict[str, Any]:
         "group_size": work.group_size,
         "vocab_size": json.loads((policy_dir / "config.json").read_text())["vocab_size"],
         "grad_clip": cfg.algorithm.grad_clip,
-        "clip_eps_low": cfg.algorithm.clip_eps_low,
-        "clip_eps_high": cfg.algorithm.clip_eps_high,
+        "clip_eps_low": cfg.algorithm.loss.clip_eps_low,
+        "clip_eps_high": cfg.algorithm.loss.clip_eps_high,
         "steps_out": str(run_dir / "swift_steps.jsonl"),
         "clock_out": str(run_dir / "swift_clock.json"),
     }

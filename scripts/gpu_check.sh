@@ -111,14 +111,14 @@ has_key() { "$PY" -m streamrl.cli config show "$1" >/dev/null 2>&1; }
 TRAINER_DEVICE=cpu
 SYNC_ARGS=()
 DEMO_ARGS=()
-COMMON=(rollout.engine=vllm "rollout.vllm_dtype=$VLLM_DTYPE" run.progress=false run.tensorboard=false)
+COMMON=(rollout.engine=vllm "rollout.vllm.dtype=$VLLM_DTYPE" run.progress=false run.tensorboard=false)
 if ((DRY_RUN)); then
-    COMMON+=(rollout.batch_prompts=8 rollout.group_size=4 data.num_eval=32 rollout.vllm_kv_cache_gib=0.25)
+    COMMON+=(rollout.batch_prompts=8 rollout.group_size=4 data.num_eval=32 rollout.vllm.kv_cache_gib=0.25)
     has_key trainer.device=cpu && COMMON+=(trainer.device=cpu)
 else
     # vLLM's start-up check wants this share of the GPU free; the KV cache is sized explicitly
-    # (rollout.vllm_kv_cache_gib), so it takes little more than the model and that cache.
-    COMMON+=("rollout.vllm_engine_kwargs={gpu_memory_utilization: 0.3}")
+    # (rollout.vllm.kv_cache_gib), so it takes little more than the model and that cache.
+    COMMON+=("rollout.vllm.engine_kwargs={gpu_memory_utilization: 0.3}")
     if has_key trainer.device=cuda; then
         TRAINER_DEVICE=cuda
         SYNC_ARGS+=(trainer.device=cuda)
@@ -137,13 +137,13 @@ fi
 if ((DRY_RUN)); then
     DEMO_PLACEMENT="rollout (vLLM) and trainer on the CPU"
 elif [[ $FSDP_NOTE == run:* ]]; then
-    DEMO_ARGS+=(trainer.world_size=2 runtime.roles.trainer.num_gpus=2 runtime.roles.rollout.num_gpus=1)
+    DEMO_ARGS+=(trainer.world_size=2 runtime.ray.roles.trainer.num_gpus=2 runtime.ray.roles.rollout.num_gpus=1)
     DEMO_PLACEMENT="rollout (vLLM) on one GPU, trainer on two GPUs (FSDP2)"
 elif [[ $TRAINER_DEVICE == cuda ]]; then
-    DEMO_ARGS+=(runtime.roles.rollout.num_gpus=0.5 runtime.roles.trainer.num_gpus=0.5)
+    DEMO_ARGS+=(runtime.ray.roles.rollout.num_gpus=0.5 runtime.ray.roles.trainer.num_gpus=0.5)
     DEMO_PLACEMENT="rollout (vLLM) and trainer share GPU 0 (half each)"
 else
-    DEMO_ARGS+=(runtime.roles.rollout.num_gpus=0.5)
+    DEMO_ARGS+=(runtime.ray.roles.rollout.num_gpus=0.5)
     DEMO_PLACEMENT="rollout (vLLM) on half of GPU 0; trainer on the CPU (this streamrl's trainer role has no trainer.device)"
 fi
 if ((DRY_RUN)); then

@@ -38,7 +38,7 @@ class RoleSpec:
     """What a role is, as the runtime needs to know it (never found out by probing the role)."""
 
     name: str
-    """Role name: the key of `runtime.roles.<name>` and of the role's log file."""
+    """Role name: the key of `runtime.ray.roles.<name>` and of the role's log file."""
     builder: str
     """`package.module:function` building the role in its own process."""
     consumers: tuple[str, ...] | None = None
@@ -62,15 +62,15 @@ class RoleSpec:
 
 
 def _has_kl(cfg: Config) -> bool:
-    return cfg.algorithm.kl_coef > 0
+    return cfg.algorithm.kl.coef > 0
 
 
 def _has_pi_old(cfg: Config) -> bool:
-    return cfg.algorithm.proximal == "pi_old"
+    return cfg.algorithm.off_policy.proximal == "pi_old"
 
 
 def _has_critic(cfg: Config) -> bool:
-    return cfg.algorithm.advantage == "gae"
+    return cfg.algorithm.advantage.estimator == "gae"
 
 
 # Built in, in the order roles are built and listed. The trainer first: it publishes the first

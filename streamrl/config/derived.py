@@ -15,15 +15,15 @@ def prompts_per_batch(cfg: Config) -> int:
     """Prompts (groups) per generation batch (the feeder's, and each dynamic-sampling refill):
     `batch_prompts`, times `dynamic_sampling_oversample` under dynamic sampling."""
     a = cfg.algorithm
-    if a.dynamic_sampling:
-        return math.ceil(a.dynamic_sampling_oversample * cfg.rollout.batch_prompts)
+    if a.dynamic_sampling.enabled:
+        return math.ceil(a.dynamic_sampling.oversample * cfg.rollout.batch_prompts)
     return cfg.rollout.batch_prompts
 
 
 def batches_per_step(cfg: Config) -> int:
     """Most generation batches one training step may use: dynamic sampling's cap, else 1."""
     a = cfg.algorithm
-    return a.dynamic_sampling_max_batches if a.dynamic_sampling else 1
+    return a.dynamic_sampling.max_batches if a.dynamic_sampling.enabled else 1
 
 
 def rows_per_batch(cfg: Config) -> int:
@@ -42,7 +42,9 @@ def in_place_recovery(cfg: Config) -> bool:
     mode supervises roles; inline and sync runs keep their bus as it was."""
     rt = cfg.runtime
     return (
-        rt.mode == "ray" and rt.trainer_recovery == "in_place" and cfg.trainer.checkpoint_every > 0
+        rt.mode == "ray"
+        and rt.ray.trainer_recovery == "in_place"
+        and cfg.trainer.checkpoint_every > 0
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from streamrl.config.renamed import new_key, translate, warn_renamed
 from streamrl.config.schema import Config
 
 
@@ -27,10 +28,15 @@ def load_config(args: Sequence[str] = ()) -> Config:
     for arg in args:
         if "=" in arg:
             key, _, raw = arg.partition("=")
-            _check_key(key.strip())
-            _set_dotted(data, key.strip(), parse_value(raw))
+            key, value = key.strip(), parse_value(raw)
+            moved = new_key(key, value)
+            if moved is not None:
+                warn_renamed(key, moved)
+                key = moved
+            _check_key(key)
+            _set_dotted(data, key, value)
         else:
-            _deep_merge(data, _read_yaml(Path(arg)))
+            _deep_merge(data, translate(_read_yaml(Path(arg))))
     return validate(data)
 
 
@@ -51,7 +57,7 @@ def parse_value(raw: str) -> Any:
 
 def validate(data: dict[str, Any]) -> Config:
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(translate(data))
     except ValidationError as e:
         raise ConfigError(_explain(e)) from None
 
@@ -131,7 +137,7 @@ def _explain(error: ValidationError) -> str:
 def _did_you_mean(dotted: str) -> str:
     """The existing keys a mistyped or misplaced `dotted` key most likely meant, as the end of an
     error message: keys of the same name in other sections (`trainer.lr` -> `algorithm.lr`),
-    keys of the same section that start with it (`algorithm.kl` -> `algorithm.kl_coef`), then
+    keys of the same section that start with it (`algorithm.kl` -> `algorithm.kl.coef`), then
     near spellings of the whole key (`rollout.groupsize` -> `rollout.group_size`)."""
     keys = _leaf_keys(Config)
     section, _, name = dotted.rpartition(".")

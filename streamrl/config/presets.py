@@ -1,8 +1,8 @@
 """Algorithm presets: one key (`algorithm.preset`) selects a published recipe.
 
 A preset only fills in the `algorithm` fields the user did not set, so every knob stays
-overridable (`algorithm.preset=dapo algorithm.clip_eps_high=0.3`). The field defaults of
-`AlgorithmConfig` are the `grpo` preset. Values follow `shared/ALGORITHMS.md`; where a paper's
+overridable (`algorithm.preset=dapo algorithm.loss.clip_eps_high=0.3`). The field defaults of
+`AlgorithmConfig` are the `grpo` preset. Values follow `docs/algorithms.md`; where a paper's
 setting needs a model or a scale this project does not have, the table says what was chosen.
 
 | preset | advantage | policy loss | aggregation | KL | extras |
@@ -23,39 +23,48 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dapo": {
-        "clip_eps_high": 0.28,
-        "dynamic_sampling": True,
-        "overlong_cache": 4,
+        "loss": {"clip_eps_high": 0.28},
+        "dynamic_sampling": {"enabled": True},
+        "shaping": {"overlong_cache": 4},
     },
-    "dr_grpo": {"adv_scale": "none", "loss_agg": "constant"},
+    "dr_grpo": {"advantage": {"scale": "none"}, "loss": {"agg": "constant"}},
     "rloo": {
-        "advantage": "rloo",
-        "loss_agg": "seq_mean_token_sum",
-        "kl_coef": 0.03,
-        "kl_estimator": "k1",
-        "kl_in_reward": True,
+        "advantage": {"estimator": "rloo"},
+        "loss": {"agg": "seq_mean_token_sum"},
+        "kl": {"coef": 0.03, "estimator": "k1", "in_reward": True},
     },
     "reinforce_pp": {
-        "advantage": "reinforce_pp",
-        "kl_coef": 0.01,
-        "kl_estimator": "k1",
-        "kl_in_reward": True,
+        "advantage": {"estimator": "reinforce_pp"},
+        "kl": {"coef": 0.01, "estimator": "k1", "in_reward": True},
     },
     "gspo": {
-        "policy_loss": "gspo",
-        "clip_eps_low": 3e-4,
-        "clip_eps_high": 4e-4,
-        "loss_agg": "seq_mean_token_mean",
+        "loss": {
+            "type": "gspo",
+            "clip_eps_low": 3e-4,
+            "clip_eps_high": 4e-4,
+            "agg": "seq_mean_token_mean",
+        }
     },
-    "ppo": {"advantage": "gae"},
+    "ppo": {"advantage": {"estimator": "gae"}},
 }
 
 
 def apply_preset(data: Any) -> Any:
-    """Fill the preset's values into a raw `algorithm` mapping wherever the user left a key out."""
+    """Fill the preset's values into a raw `algorithm` mapping wherever the user left a key out
+    (section by section: `loss.clip_eps_high` set keeps the preset's `loss.type`)."""
     if not isinstance(data, dict):
         return data
     name = data.get("preset", "grpo")
     if name not in PRESETS:
         return data  # the Literal check on `preset` reports it with the allowed names
-    return {**PRESETS[name], **data}
+    return _fill(PRESETS[name], data)
+
+
+def _fill(preset: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    out = dict(data)
+    for key, value in preset.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _fill(value, out[key])
+    return out

@@ -101,6 +101,71 @@ class DataConfig(Section):
 BUILTIN_ENGINES = ("builtin", "vllm", "sglang")
 
 
+class VllmConfig(Section):
+    """The vLLM engine (`rollout.engine=vllm`)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vLLM's weight and compute dtype; auto uses `model.dtype`, the trainer's, which keeps the
+    rollout/trainer log-prob mismatch smallest."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM's KV cache size in GiB (host memory on CPU, per device on GPUs)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + response vLLM accepts; None uses the model's `max_position_embeddings`."""
+    enforce_eager: bool = True
+    """Run vLLM without torch.compile and CUDA graphs: starts fast, what CPU runs want; on GPUs
+    False is faster once warm."""
+    prefix_caching: bool = True
+    """Let vLLM share a prompt's attention cache between the samples of its group."""
+    in_process: bool = True
+    """Run vLLM's engine core inside the rollout process: starts in seconds and passes weights by
+    reference. False gives it its own process (weights then travel as a safetensors blob)."""
+    engines: int = Field(1, ge=1)
+    """vLLM engines behind each rollout service: each group of requests goes to the least-loaded
+    one, every weight update to all of them. They decode in parallel only with
+    `in_process=false` (an engine-core process each; on GPUs a slice of the visible devices
+    each); in-process engines take turns in one thread. `rollout.max_batch_size` and `kv_cache_gib`
+    are per engine."""
+    engine_kwargs: dict[str, object] = Field(default_factory=dict)
+    """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size` or
+    `gpu_memory_utilization`); they override the settings above."""
+
+
+class SglangConfig(Section):
+    """The SGLang engine (`rollout.engine=sglang`)."""
+
+    url: str | None = None
+    """Base URL of a running SGLang server to attach to (e.g. `http://10.0.0.5:30000`); None
+    launches one for the policy model and stops it at the end."""
+    launch_cmd: list[str] | None = None
+    """Command that starts an SGLang server; None is `python -m sglang.launch_server` with this
+    interpreter. streamrl appends --model-path, --host, --port, --dtype, --max-running-requests
+    (`max_batch_size`) and, with `deterministic`, --enable-deterministic-inference."""
+    launch_args: list[str] = Field(default_factory=list)
+    """Further arguments for a launched server, e.g. `[--tp, "2", --mem-fraction-static, "0.7"]`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`--dtype` of a launched server; auto uses `model.dtype`, the trainer's."""
+    deterministic: bool = True
+    """Launch with `--enable-deterministic-inference`: without it SGLang ignores the per-request
+    seeds, so samples stop being reproducible."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long a launched server may take to answer /health before the run fails."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one HTTP call to the server (a whole generation or a weight update)."""
+    weights_dir: str | None = None
+    """Where weight snapshots (safetensors) are written for /update_weights_from_disk; the server
+    must read the same path, so set a shared directory when attaching to another machine. None:
+    `<run_dir>/sglang`."""
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    """How new weights reach the SGLang server. `disk`: a safetensors snapshot in
+    `weights_dir` and /update_weights_from_disk (the server must read that directory).
+    `distributed`: a torch.distributed group of the rollout process (rank 0) and the server's
+    tensor-parallel workers, made on the first update (/init_weights_update_group), then one
+    broadcast per tensor with /update_weights_from_distributed; no files. The server must reach
+    the rollout process on a free TCP port (its address on the route to the server, 127.0.0.1
+    for a launched server); the backend is NCCL when the rollout process has a GPU (the tensors
+    go GPU to GPU), gloo otherwise (what the tests use, on CPU)."""
+
+
 class RolloutConfig(Section):
     engine: str = "builtin"
     """Generation engine: `builtin` (PyTorch only, runs wherever torch runs; Llama-family
@@ -123,9 +188,9 @@ class RolloutConfig(Section):
     threads: int | None = Field(None, ge=1)
     """torch threads of each rollout process in ray mode (the builtin engine's kernels, an
     in-process vLLM's CPU work). None: the rollout replicas share half of the cores Ray was
-    started with (`runtime.num_cpus`, else this machine's), the trainer the other half (one
-    each on two cores); a role that reserves CPUs (`runtime.roles.rollout.num_cpus`) gets that
-    many, and on an existing cluster (`runtime.ray_address`) one. Threads mode runs one per
+    started with (`runtime.ray.num_cpus`, else this machine's), the trainer the other half (one
+    each on two cores); a role that reserves CPUs (`runtime.ray.roles.rollout.num_cpus`) gets that
+    many, and on an existing cluster (`runtime.ray.address`) one. Threads mode runs one per
     role."""
     max_batch_size: int = Field(512, ge=1)
     """Most sequences an engine decodes at once (vLLM's `max_num_seqs`; SGLang: requests in
@@ -133,61 +198,10 @@ class RolloutConfig(Section):
     inflight_weight_updates: bool = True
     """Load newer weights between decode steps instead of only between batches (vLLM, SGLang:
     abort the running requests and resume them as continuations under the new weights)."""
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """vLLM's weight and compute dtype; auto uses `model.dtype`, the trainer's, which keeps the
-    rollout/trainer log-prob mismatch smallest."""
-    vllm_kv_cache_gib: float = Field(1.0, gt=0)
-    """vLLM's KV cache size in GiB (host memory on CPU, per device on GPUs)."""
-    vllm_max_model_len: int | None = Field(None, ge=1)
-    """Longest prompt + response vLLM accepts; None uses the model's `max_position_embeddings`."""
-    vllm_enforce_eager: bool = True
-    """Run vLLM without torch.compile and CUDA graphs: starts fast, what CPU runs want; on GPUs
-    False is faster once warm."""
-    vllm_prefix_caching: bool = True
-    """Let vLLM share a prompt's attention cache between the samples of its group."""
-    vllm_in_process: bool = True
-    """Run vLLM's engine core inside the rollout process: starts in seconds and passes weights by
-    reference. False gives it its own process (weights then travel as a safetensors blob)."""
-    vllm_engines: int = Field(1, ge=1)
-    """vLLM engines behind each rollout service: each group of requests goes to the least-loaded
-    one, every weight update to all of them. They decode in parallel only with
-    `vllm_in_process=false` (an engine-core process each; on GPUs a slice of the visible devices
-    each); in-process engines take turns in one thread. `max_batch_size` and `vllm_kv_cache_gib`
-    are per engine."""
-    vllm_engine_kwargs: dict[str, object] = Field(default_factory=dict)
-    """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size` or
-    `gpu_memory_utilization`); they override the settings above."""
-    sglang_url: str | None = None
-    """Base URL of a running SGLang server to attach to (e.g. `http://10.0.0.5:30000`); None
-    launches one for the policy model and stops it at the end."""
-    sglang_launch_cmd: list[str] | None = None
-    """Command that starts an SGLang server; None is `python -m sglang.launch_server` with this
-    interpreter. streamrl appends --model-path, --host, --port, --dtype, --max-running-requests
-    (`max_batch_size`) and, with `sglang_deterministic`, --enable-deterministic-inference."""
-    sglang_launch_args: list[str] = Field(default_factory=list)
-    """Further arguments for a launched server, e.g. `[--tp, "2", --mem-fraction-static, "0.7"]`."""
-    sglang_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """`--dtype` of a launched server; auto uses `model.dtype`, the trainer's."""
-    sglang_deterministic: bool = True
-    """Launch with `--enable-deterministic-inference`: without it SGLang ignores the per-request
-    seeds, so samples stop being reproducible."""
-    sglang_startup_timeout_s: float = Field(600.0, gt=0)
-    """How long a launched server may take to answer /health before the run fails."""
-    sglang_request_timeout_s: float = Field(600.0, gt=0)
-    """Longest wait for one HTTP call to the server (a whole generation or a weight update)."""
-    sglang_weights_dir: str | None = None
-    """Where weight snapshots (safetensors) are written for /update_weights_from_disk; the server
-    must read the same path, so set a shared directory when attaching to another machine. None:
-    `<run_dir>/sglang`."""
-    sglang_weight_sync: Literal["disk", "distributed"] = "disk"
-    """How new weights reach the SGLang server. `disk`: a safetensors snapshot in
-    `sglang_weights_dir` and /update_weights_from_disk (the server must read that directory).
-    `distributed`: a torch.distributed group of the rollout process (rank 0) and the server's
-    tensor-parallel workers, made on the first update (/init_weights_update_group), then one
-    broadcast per tensor with /update_weights_from_distributed; no files. The server must reach
-    the rollout process on a free TCP port (its address on the route to the server, 127.0.0.1
-    for a launched server); the backend is NCCL when the rollout process has a GPU (the tensors
-    go GPU to GPU), gloo otherwise (what the tests use, on CPU)."""
+    vllm: VllmConfig = VllmConfig()
+    """The vLLM engine's settings."""
+    sglang: SglangConfig = SglangConfig()
+    """The SGLang engine's settings."""
 
 
 class RewardConfig(Section):
@@ -197,6 +211,124 @@ class RewardConfig(Section):
     """A reward call running longer than this is stopped and the sample dropped (status timeout)."""
     invalid_output_penalty: float | None = 0.0
     """Reward given to an `invalid_output` result (it then enters the baseline); None drops it."""
+
+
+class AdvantageConfig(Section):
+    """How advantages are estimated from rewards (and values)."""
+
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Advantage estimator: grpo (group z-score), rloo (leave-one-out), reinforce_pp
+    (return-to-go, batch z-score), reinforce_pp_baseline (group mean, batch std), gae (critic)."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """grpo: divide the centred reward by the group std, the batch std, or nothing (Dr. GRPO)."""
+    std_unbiased: bool = True
+    """grpo: Bessel-corrected (unbiased) std, as TRL and ms-swift; False for the population std."""
+    std_eps: float = Field(1e-4, ge=0)
+    """Epsilon added to the std when normalising advantages."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """gae: discount."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """gae: lambda."""
+
+
+class PolicyLossConfig(Section):
+    """The policy loss: ratio, clipping, aggregation over tokens, entropy bonus."""
+
+    type: Literal["ppo", "gspo", "gspo_token", "cispo"] = "ppo"
+    """ppo (token ratio, clip; DAPO clip-higher when clip_eps_high > clip_eps_low), gspo
+    (sequence ratio), gspo_token (sequence ratio, per-token gradient), cispo (clipped, detached
+    IS weight on the log-prob)."""
+    clip_eps_low: float = Field(0.2, ge=0, lt=1)
+    """PPO clip: ratio floor is 1 - clip_eps_low."""
+    clip_eps_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio ceiling is 1 + clip_eps_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip PPO: bound the loss of a negative-advantage token by -dual_clip * A (None: off)."""
+    cispo_max_ratio: float = Field(5.0, gt=0)
+    """cispo: cap on the detached IS ratio."""
+    agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
+        "token_mean"
+    )
+    """How per-token losses are averaged over the global batch: over all tokens; per sequence
+    then over sequences; token sums averaged over sequences; or summed and divided by
+    (sequences x `agg_constant`) as Dr. GRPO."""
+    agg_constant: float | None = Field(None, gt=0)
+    """Normaliser per sequence for agg=constant (None: rollout.max_new_tokens)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight in the loss (0: off)."""
+
+
+class KLConfig(Section):
+    """The KL term to the reference model."""
+
+    coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference model; > 0 starts the reference role."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log(pi/pi_ref), k2 = k1^2/2, k3 = pi_ref/pi - log(pi_ref/pi) - 1."""
+    in_reward: bool = False
+    """Subtract coef x KL from the reward (RLOO, REINFORCE++) instead of adding it to the loss."""
+
+
+class OffPolicyConfig(Section):
+    """Correction for tokens sampled by an older policy than the one trained."""
+
+    correction: Literal["tis", "mis", "none"] = "tis"
+    """Off-policy correction between the proximal and the behaviour (rollout) policy: truncated
+    IS, masked IS (zero outside [mis_low, mis_high]), or none."""
+    level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or the product over the response."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap; None: untruncated."""
+    mis_low: float = Field(0.5, ge=0)
+    """Masked IS: lowest kept ratio."""
+    mis_high: float = Field(2.0, gt=0)
+    """Masked IS: highest kept ratio."""
+    proximal: Literal["current", "pi_old"] = "current"
+    """Policy the PPO ratio is clipped around: the current one (one optimizer step per batch), or
+    decoupled PPO with log-probs from the pi_old role (which follows the published weights)."""
+    max_token_staleness: int | None = Field(None, ge=0)
+    """Leave out of the loss any token produced more than this many versions ago (None: keep)."""
+
+
+class ShapingConfig(Section):
+    """Reward shaping and response filtering before the advantage."""
+
+    overlong_cache: int | None = Field(None, ge=0)
+    """DAPO soft overlong penalty: ramp from 0 to -1 over the last this many tokens before
+    rollout.max_new_tokens (None: off)."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: a response cut at rollout.max_new_tokens (finish reason
+    "length") is left out of the loss and of its normaliser, so a reasoning chain cut short is
+    not punished for being cut; its reward still counts in its group's advantages. Counted in
+    `samples/dropped_truncated`. The critic (algorithm.advantage.estimator=gae) still learns values on such
+    responses: the cut at max_new_tokens is part of the environment the values describe. TRL's
+    `mask_truncated_completions`, ms-swift's `overlong_filter`."""
+    reward_norm: bool = False
+    """Normalise rewards online by an exponential moving mean and std before the advantage. Its
+    statistics are saved in the run directory (`reward_norm.json`) and restored on resume."""
+    reward_norm_momentum: float = Field(0.9, ge=0, lt=1)
+    """Momentum of the online reward statistics."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip rewards to [-reward_clip, reward_clip] (None: off)."""
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: train only groups with signal, refilling the step."""
+
+    enabled: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal has no signal and is dropped
+    (not trained, not in the normaliser), and generation continues until the step holds exactly
+    `rollout.batch_prompts` groups with signal: the trainer adds refill batches of prompts, up to
+    `max_batches` per step. Informative groups beyond that number are not
+    trained (surplus). Metrics: `dynamic_sampling/*`."""
+    oversample: float = Field(1.5, ge=1)
+    """With dynamic sampling: prompts per generation batch (the feeder's and each refill) =
+    ceil(this x rollout.batch_prompts). Above 1 a step needs fewer refill rounds (less waiting)
+    at the cost of more surplus groups generated and not trained."""
+    max_batches: int = Field(4, ge=1)
+    """With dynamic sampling: most generation batches per training step, the feeder's included;
+    when they hold fewer groups with signal than `rollout.batch_prompts`, the step trains those
+    and logs a warning (`dynamic_sampling/cap_hit`). 1: no refill."""
 
 
 class AlgorithmConfig(Section):
@@ -216,100 +348,6 @@ class AlgorithmConfig(Section):
     """Final learning rate of the cosine schedule, as a fraction of `lr`."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
-    """Advantage estimator: grpo (group z-score), rloo (leave-one-out), reinforce_pp
-    (return-to-go, batch z-score), reinforce_pp_baseline (group mean, batch std), gae (critic)."""
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    """grpo: divide the centred reward by the group std, the batch std, or nothing (Dr. GRPO)."""
-    std_unbiased: bool = True
-    """grpo: Bessel-corrected (unbiased) std, as TRL and ms-swift; False for the population std."""
-    std_eps: float = Field(1e-4, ge=0)
-    """Epsilon added to the std when normalising advantages."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """gae: discount."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """gae: lambda."""
-
-    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = "ppo"
-    """ppo (token ratio, clip; DAPO clip-higher when clip_eps_high > clip_eps_low), gspo
-    (sequence ratio), gspo_token (sequence ratio, per-token gradient), cispo (clipped, detached
-    IS weight on the log-prob)."""
-    clip_eps_low: float = Field(0.2, ge=0, lt=1)
-    """PPO clip: ratio floor is 1 - clip_eps_low."""
-    clip_eps_high: float = Field(0.2, ge=0)
-    """PPO clip: ratio ceiling is 1 + clip_eps_high."""
-    dual_clip: float | None = Field(None, gt=1)
-    """Dual-clip PPO: bound the loss of a negative-advantage token by -dual_clip * A (None: off)."""
-    cispo_max_ratio: float = Field(5.0, gt=0)
-    """cispo: cap on the detached IS ratio."""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"] = (
-        "token_mean"
-    )
-    """How per-token losses are averaged over the global batch: over all tokens; per sequence
-    then over sequences; token sums averaged over sequences; or summed and divided by
-    (sequences x `loss_agg_constant`) as Dr. GRPO."""
-    loss_agg_constant: float | None = Field(None, gt=0)
-    """Normaliser per sequence for loss_agg=constant (None: rollout.max_new_tokens)."""
-
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL to the reference model; > 0 starts the reference role."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log(pi/pi_ref), k2 = k1^2/2, k3 = pi_ref/pi - log(pi_ref/pi) - 1."""
-    kl_in_reward: bool = False
-    """Subtract kl_coef x KL from the reward (RLOO, REINFORCE++) instead of adding it to the loss."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus weight in the loss (0: off)."""
-
-    is_correction: Literal["tis", "mis", "none"] = "tis"
-    """Off-policy correction between the proximal and the behaviour (rollout) policy: truncated
-    IS, masked IS (zero outside [mis_low, mis_high]), or none."""
-    is_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token, or the product over the response."""
-    tis_cap: float | None = 2.0
-    """Truncated importance sampling cap; None: untruncated."""
-    mis_low: float = Field(0.5, ge=0)
-    """Masked IS: lowest kept ratio."""
-    mis_high: float = Field(2.0, gt=0)
-    """Masked IS: highest kept ratio."""
-    proximal: Literal["current", "pi_old"] = "current"
-    """Policy the PPO ratio is clipped around: the current one (one optimizer step per batch), or
-    decoupled PPO with log-probs from the pi_old role (which follows the published weights)."""
-    max_token_staleness: int | None = Field(None, ge=0)
-    """Leave out of the loss any token produced more than this many versions ago (None: keep)."""
-
-    overlong_cache: int | None = Field(None, ge=0)
-    """DAPO soft overlong penalty: ramp from 0 to -1 over the last this many tokens before
-    rollout.max_new_tokens (None: off)."""
-    mask_truncated: bool = False
-    """DAPO overlong filtering: a response cut at rollout.max_new_tokens (finish reason
-    "length") is left out of the loss and of its normaliser, so a reasoning chain cut short is
-    not punished for being cut; its reward still counts in its group's advantages. Counted in
-    `samples/dropped_truncated`. The critic (advantage=gae) still learns values on such
-    responses: the cut at max_new_tokens is part of the environment the values describe. TRL's
-    `mask_truncated_completions`, ms-swift's `overlong_filter`."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: a group whose rewards are all equal has no signal and is dropped
-    (not trained, not in the normaliser), and generation continues until the step holds exactly
-    `rollout.batch_prompts` groups with signal: the trainer adds refill batches of prompts, up to
-    `dynamic_sampling_max_batches` per step. Informative groups beyond that number are not
-    trained (surplus). Metrics: `dynamic_sampling/*`."""
-    dynamic_sampling_oversample: float = Field(1.5, ge=1)
-    """With dynamic sampling: prompts per generation batch (the feeder's and each refill) =
-    ceil(this x rollout.batch_prompts). Above 1 a step needs fewer refill rounds (less waiting)
-    at the cost of more surplus groups generated and not trained."""
-    dynamic_sampling_max_batches: int = Field(4, ge=1)
-    """With dynamic sampling: most generation batches per training step, the feeder's included;
-    when they hold fewer groups with signal than `rollout.batch_prompts`, the step trains those
-    and logs a warning (`dynamic_sampling/cap_hit`). 1: no refill."""
-    reward_norm: bool = False
-    """Normalise rewards online by an exponential moving mean and std before the advantage. Its
-    statistics are saved in the run directory (`reward_norm.json`) and restored on resume."""
-    reward_norm_momentum: float = Field(0.9, ge=0, lt=1)
-    """Momentum of the online reward statistics."""
-    reward_clip: float | None = Field(None, gt=0)
-    """Clip rewards to [-reward_clip, reward_clip] (None: off)."""
-
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     micro_batch_groups: int = Field(8, ge=1)
@@ -317,21 +355,36 @@ class AlgorithmConfig(Section):
     skip_zero_advantage: bool = True
     """Skip the forward/backward of samples whose advantage is 0 (the gradient is unchanged when
     no KL or entropy term is in the loss; they still count in the loss normaliser)."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage estimator."""
+    loss: PolicyLossConfig = PolicyLossConfig()
+    """Policy loss."""
+    kl: KLConfig = KLConfig()
+    """KL to the reference model."""
+    off_policy: OffPolicyConfig = OffPolicyConfig()
+    """Off-policy correction and the proximal policy."""
+    shaping: ShapingConfig = ShapingConfig()
+    """Reward shaping and filtering."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """DAPO dynamic sampling."""
 
     _fill_preset = model_validator(mode="before")(apply_preset)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> AlgorithmConfig:
-        if self.mis_low >= self.mis_high:
-            raise ValueError(f"mis_low ({self.mis_low}) must be below mis_high ({self.mis_high})")
-        if self.kl_in_reward and self.kl_coef == 0:
-            raise ValueError("kl_in_reward=true needs kl_coef > 0")
+        o = self.off_policy
+        if o.mis_low >= o.mis_high:
+            raise ValueError(
+                f"algorithm.off_policy.mis_low ({o.mis_low}) must be below mis_high ({o.mis_high})"
+            )
+        if self.kl.in_reward and self.kl.coef == 0:
+            raise ValueError("algorithm.kl.in_reward=true needs algorithm.kl.coef > 0")
         return self
 
 
 class CriticConfig(Section):
     lr: float = Field(1e-3, gt=0)
-    """Critic (value model) learning rate; the critic runs only when algorithm.advantage=gae."""
+    """Critic (value model) learning rate; the critic runs only when algorithm.advantage.estimator=gae."""
     value_clip: float | None = Field(0.2, gt=0)
     """Clipped value loss: new values may move at most this far from the values used for the
     advantages (None: plain squared error)."""
@@ -362,7 +415,7 @@ class TrainerConfig(Section):
     world_size: int = Field(1, ge=1)
     """Data-parallel ranks of the trainer on its node. 1 trains in the trainer's process; N > 1
     shards the model with FSDP2 over N processes (gloo on CPU, NCCL on GPUs; on GPUs give the
-    trainer role N GPUs: `runtime.roles.trainer.num_gpus`). See docs/architecture.md."""
+    trainer role N GPUs: `runtime.ray.roles.trainer.num_gpus`). See docs/architecture.md."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's model lives (and the reference and pi_old models): `auto` is a GPU
     when torch sees one (in a Ray actor: when its placement gives it a GPU), else the CPU."""
@@ -411,9 +464,9 @@ class RolesConfig(Section):
     reward: RolePlacement = RolePlacement()
     """Placement of the reward service."""
     reference: RolePlacement = RolePlacement()
-    """Placement of the reference model (when kl_coef > 0)."""
+    """Placement of the reference model (when algorithm.kl.coef > 0)."""
     logp: RolePlacement = RolePlacement()
-    """Placement of the pi_old role (when algorithm.proximal is pi_old)."""
+    """Placement of the pi_old role (when algorithm.off_policy.proximal is pi_old)."""
     advantage: RolePlacement = RolePlacement()
     """Placement of the advantage role."""
     critic: RolePlacement = RolePlacement()
@@ -426,7 +479,7 @@ class RolesConfig(Section):
         for name in type(self).model_fields:
             if name not in SCALABLE_ROLES and getattr(self, name).replicas != 1:
                 raise ValueError(
-                    f"runtime.roles.{name}.replicas must be 1; only {', '.join(SCALABLE_ROLES)} "
+                    f"runtime.ray.roles.{name}.replicas must be 1; only {', '.join(SCALABLE_ROLES)} "
                     "can have several replicas"
                 )
         return self
@@ -437,20 +490,18 @@ class PlacementGroupConfig(Section):
     """Ray mode: reserve one bundle per role replica (its num_cpus, num_gpus and resources; at
     least 0.01 CPU) in one Ray placement group with this strategy, and start each replica in its
     bundle (a restarted one goes back into it). none: no group, each actor scheduled on its own.
-    Excludes `runtime.roles.<role>.node`; steer bundles with custom resources instead."""
+    Excludes `runtime.ray.roles.<role>.node`; steer bundles with custom resources instead."""
     timeout_s: float = Field(300.0, gt=0)
     """Ray mode: how long to wait for the cluster to reserve the group before the run fails."""
 
 
-class RuntimeConfig(Section):
-    mode: Literal["ray", "threads", "inline", "sync"] = "ray"
-    """ray: every role its own process on Ray; threads: every role a thread of one process, the
-    roles' kernels on different cores at once, no restarts (small models on few cores, where
-    Ray's per-call costs are a large share of a step); inline: every role an asyncio task in one
-    process, one at a time (debugging, tests); sync: generate then train, in turn, in one
-    process (the baseline)."""
-    ray_address: str | None = None
+class RayConfig(Section):
+    """Ray mode: the cluster, the roles' placement, the bus's shards and the supervision."""
+
+    address: str | None = None
     """Address of an existing Ray cluster; None starts a local instance."""
+    num_cpus: int | None = None
+    """Logical CPUs of the local Ray instance (None: Ray's default)."""
     roles: RolesConfig = RolesConfig()
     """Ray mode: resources, replicas and node of each role."""
     placement_group: PlacementGroupConfig = PlacementGroupConfig()
@@ -458,38 +509,6 @@ class RuntimeConfig(Section):
     bus_shards: int = Field(1, ge=1)
     """Ray mode: actors the bus's row metadata is spread over (groups hashed to shards). One is
     fastest on a single machine; more only help when one bus actor's core is the bottleneck."""
-    weight_channel: Literal["object_store", "tcp", "collective"] = "object_store"
-    """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
-    with a fast object store); a TCP weight server in the trainer process that streams
-    safetensors buckets to each engine (any network; authenticated with weight_token); or a
-    torch.distributed broadcast (gloo, or NCCL: `weight_collective_backend`) from the trainer to
-    the engines, with a host copy in the object store for engines that (re)join (trusted
-    networks: the group is not authenticated)."""
-    weight_bind: str = "127.0.0.1"
-    """tcp: address the trainer's weight server listens on; anything but loopback needs
-    weight_token (or $STREAMRL_WEIGHT_TOKEN). collective: the rendezvous address engines
-    connect to: loopback (only engines on the trainer's node join the group; the others use the
-    host copy), an address of the trainer's node, or 0.0.0.0 for its Ray node address."""
-    weight_port: int = Field(0, ge=0, le=65535)
-    """tcp: port of the weight server (0: any free port). collective: first of 16 rendezvous
-    ports taken in turn by successive groups (0: a free port for each)."""
-    weight_collective_backend: Literal["gloo", "nccl"] = "gloo"
-    """collective: torch.distributed backend of the weight group: gloo (CPU tensors, any
-    machine) or nccl (GPU to GPU; the trainer and every engine need a GPU, and an engine that
-    cannot join receives the host copy instead)."""
-    weight_token: str | None = None
-    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
-    num_cpus: int | None = None
-    """Logical CPUs of the local Ray instance (None: Ray's default)."""
-    sync_threads: int | None = None
-    """torch threads in sync mode (None: every core, as a synchronous loop would use)."""
-    lease_s: float = Field(120.0, gt=0)
-    """How long a role holds claimed rows before they are handed out again."""
-    poll_s: float = Field(0.002, gt=0)
-    """How long an idle role first waits before looking for work again (doubling while idle,
-    up to 16x)."""
-    stall_timeout_s: float = Field(600.0, gt=0)
-    """Stop the run with a diagnosis when no training step finishes for this long."""
     max_restarts: int = Field(3, ge=0)
     """Ray mode: restarts allowed per role before the run fails (the trainer resumes from its
     latest checkpoint; the others restart in place)."""
@@ -504,6 +523,69 @@ class RuntimeConfig(Section):
     """Ray mode: how often each role is pinged."""
     health_timeout_s: float = Field(120.0, gt=0)
     """Ray mode: a role that does not answer a ping this long is killed and restarted."""
+
+    @model_validator(mode="after")
+    def _placement_group_or_node(self) -> RayConfig:
+        if self.placement_group.strategy == "none":
+            return self
+        for name in type(self.roles).model_fields:
+            node = getattr(self.roles, name).node
+            if node is not None:
+                raise ValueError(
+                    f"runtime.ray.roles.{name}.node={node!r} and runtime.ray.placement_group.strategy="
+                    f"{self.placement_group.strategy} exclude each other: the placement group "
+                    "chooses the nodes. Drop one, or steer the bundle with a custom resource "
+                    "(runtime.ray.roles.<role>.resources)"
+                )
+        return self
+
+
+class WeightsConfig(Section):
+    """Ray mode: the weight channel from the trainer to the engines (DCS)."""
+
+    channel: Literal["object_store", "tcp", "collective"] = "object_store"
+    """Ray mode: how weights reach the engines: Ray's object store (one machine, or a cluster
+    with a fast object store); a TCP weight server in the trainer process that streams
+    safetensors buckets to each engine (any network; authenticated with `token`); or a
+    torch.distributed broadcast (gloo, or NCCL: `collective_backend`) from the trainer to
+    the engines, with a host copy in the object store for engines that (re)join (trusted
+    networks: the group is not authenticated)."""
+    bind: str = "127.0.0.1"
+    """tcp: address the trainer's weight server listens on; anything but loopback needs
+    `token` (or $STREAMRL_WEIGHT_TOKEN). collective: the rendezvous address engines
+    connect to: loopback (only engines on the trainer's node join the group; the others use the
+    host copy), an address of the trainer's node, or 0.0.0.0 for its Ray node address."""
+    port: int = Field(0, ge=0, le=65535)
+    """tcp: port of the weight server (0: any free port). collective: first of 16 rendezvous
+    ports taken in turn by successive groups (0: a free port for each)."""
+    collective_backend: Literal["gloo", "nccl"] = "gloo"
+    """collective: torch.distributed backend of the weight group: gloo (CPU tensors, any
+    machine) or nccl (GPU to GPU; the trainer and every engine need a GPU, and an engine that
+    cannot join receives the host copy instead)."""
+    token: str | None = None
+    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
+
+
+class RuntimeConfig(Section):
+    mode: Literal["ray", "threads", "inline", "sync"] = "ray"
+    """ray: every role its own process on Ray; threads: every role a thread of one process, the
+    roles' kernels on different cores at once, no restarts (small models on few cores, where
+    Ray's per-call costs are a large share of a step); inline: every role an asyncio task in one
+    process, one at a time (debugging, tests); sync: generate then train, in turn, in one
+    process (the baseline)."""
+    ray: RayConfig = RayConfig()
+    """Ray mode: the cluster, placement, bus shards and supervision."""
+    weights: WeightsConfig = WeightsConfig()
+    """Ray mode: how weights reach the engines."""
+    sync_threads: int | None = None
+    """torch threads in sync mode (None: every core, as a synchronous loop would use)."""
+    lease_s: float = Field(120.0, gt=0)
+    """How long a role holds claimed rows before they are handed out again."""
+    poll_s: float = Field(0.002, gt=0)
+    """How long an idle role first waits before looking for work again (doubling while idle,
+    up to 16x)."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Stop the run with a diagnosis when no training step finishes for this long."""
     claim_wait_s: float = Field(0.05, ge=0)
     """Ray mode: an empty claim waits up to this long inside the bus for matching rows (long
     poll), instead of polling across processes. The rollout and the trainer use this wait:
@@ -513,21 +595,6 @@ class RuntimeConfig(Section):
     reference, advantage), and the feeder's wait for the policy version that admits its next
     batch. The change that gives them work wakes them at once, so a longer wait only means
     fewer empty round trips; it also bounds how long such a role takes to notice a stop."""
-
-    @model_validator(mode="after")
-    def _placement_group_or_node(self) -> RuntimeConfig:
-        if self.placement_group.strategy == "none":
-            return self
-        for name in type(self.roles).model_fields:
-            node = getattr(self.roles, name).node
-            if node is not None:
-                raise ValueError(
-                    f"runtime.roles.{name}.node={node!r} and runtime.placement_group.strategy="
-                    f"{self.placement_group.strategy} exclude each other: the placement group "
-                    "chooses the nodes. Drop one, or steer the bundle with a custom resource "
-                    "(runtime.roles.<role>.resources)"
-                )
-        return self
 
 
 class RunConfig(Section):
@@ -565,7 +632,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Advantages and loss."""
     critic: CriticConfig = CriticConfig()
-    """The value model of PPO (algorithm.advantage=gae)."""
+    """The value model of PPO (algorithm.advantage.estimator=gae)."""
     trainer: TrainerConfig = TrainerConfig()
     """Training schedule."""
     runtime: RuntimeConfig = RuntimeConfig()

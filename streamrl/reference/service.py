@@ -1,6 +1,6 @@
 """The reference role: log-probs of each response under the frozen initial policy (for the KL term).
 
-Started only when `algorithm.kl_coef > 0`. It claims rows as soon as their responses are written,
+Started only when `algorithm.kl.coef > 0`. It claims rows as soon as their responses are written,
 scores them with the same packing and log-prob code as the trainer (so the KL is computed on
 identically laid-out numbers), and writes `ref_logprobs`.
 """

@@ -1,6 +1,6 @@
 """Least-loaded routing of generation requests over the engines of one rollout service.
 
-A rollout service that drives several engines (`rollout.vllm_engines`) hands each piece of work
+A rollout service that drives several engines (`rollout.vllm.engines`) hands each piece of work
 to the engine with the fewest tokens in flight. A piece of work (a `Unit`) is every request of
 one batch that shares a prompt: the samples of a group go to one engine together, so its prefix
 cache computes the prompt's attention once. A request's cost is its prompt plus its token budget

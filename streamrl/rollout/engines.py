@@ -49,16 +49,16 @@ def vllm_engine(ctx: RunContext):
 
     r = ctx.cfg.rollout
     settings = VllmSettings(
-        dtype=ctx.cfg.model.dtype if r.vllm_dtype == "auto" else r.vllm_dtype,
-        max_model_len=r.vllm_max_model_len,
+        dtype=ctx.cfg.model.dtype if r.vllm.dtype == "auto" else r.vllm.dtype,
+        max_model_len=r.vllm.max_model_len,
         max_num_seqs=r.max_batch_size,
-        kv_cache_gib=r.vllm_kv_cache_gib,
-        enforce_eager=r.vllm_enforce_eager,
-        enable_prefix_caching=r.vllm_prefix_caching,
-        in_process=r.vllm_in_process,
-        num_engines=r.vllm_engines,
+        kv_cache_gib=r.vllm.kv_cache_gib,
+        enforce_eager=r.vllm.enforce_eager,
+        enable_prefix_caching=r.vllm.prefix_caching,
+        in_process=r.vllm.in_process,
+        num_engines=r.vllm.engines,
         seed=ctx.cfg.run.seed,
-        extra=dict(r.vllm_engine_kwargs),
+        extra=dict(r.vllm.engine_kwargs),
     )
     eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
     return VllmEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
@@ -70,16 +70,16 @@ def sglang_engine(ctx: RunContext):
 
     r = ctx.cfg.rollout
     settings = SglangSettings(
-        url=r.sglang_url,
-        launch_cmd=tuple(r.sglang_launch_cmd or DEFAULT_LAUNCH_CMD),
-        launch_args=tuple(r.sglang_launch_args),
-        dtype=ctx.cfg.model.dtype if r.sglang_dtype == "auto" else r.sglang_dtype,
-        deterministic=r.sglang_deterministic,
+        url=r.sglang.url,
+        launch_cmd=tuple(r.sglang.launch_cmd or DEFAULT_LAUNCH_CMD),
+        launch_args=tuple(r.sglang.launch_args),
+        dtype=ctx.cfg.model.dtype if r.sglang.dtype == "auto" else r.sglang.dtype,
+        deterministic=r.sglang.deterministic,
         max_running_requests=r.max_batch_size,
-        startup_timeout_s=r.sglang_startup_timeout_s,
-        request_timeout_s=r.sglang_request_timeout_s,
-        weights_dir=r.sglang_weights_dir or Path(ctx.run_dir) / "sglang",
-        weight_sync=r.sglang_weight_sync,
+        startup_timeout_s=r.sglang.startup_timeout_s,
+        request_timeout_s=r.sglang.request_timeout_s,
+        weights_dir=r.sglang.weights_dir or Path(ctx.run_dir) / "sglang",
+        weight_sync=r.sglang.weight_sync,
     )
     eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
     return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
@@ -95,4 +95,4 @@ def sampling_params(cfg: Config) -> SamplingParams:
 def rows_per_claim(cfg: Config) -> int:
     """Rows a rollout service claims at once: `max_batch_size` for each engine it drives."""
     r = cfg.rollout
-    return r.max_batch_size * (r.vllm_engines if r.engine == "vllm" else 1)
+    return r.max_batch_size * (r.vllm.engines if r.engine == "vllm" else 1)

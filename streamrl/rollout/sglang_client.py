@@ -74,12 +74,12 @@ class SglangClient:
             if isinstance(reason, ConnectionRefusedError | socket.gaierror):
                 raise SglangError(
                     f"cannot reach the SGLang server at {self.base_url} ({method} {path}: "
-                    f"{reason}); is it running? Check rollout.sglang_url, or leave it unset to "
+                    f"{reason}); is it running? Check rollout.sglang.url, or leave it unset to "
                     "launch a server"
                 ) from e
             raise SglangError(
                 f"the SGLang server at {self.base_url} did not answer {method} {path}: {reason} "
-                f"(did it crash? Its time limit is rollout.sglang_request_timeout_s, "
+                f"(did it crash? Its time limit is rollout.sglang.request_timeout_s, "
                 f"{timeout_s or self.timeout_s} s)"
             ) from e
         if not body:
@@ -313,7 +313,7 @@ def launch_server(
             stop_process_group(server)
             raise SglangError(
                 f"the SGLang server did not answer /health within {settings.startup_timeout_s} s "
-                "(raise rollout.sglang_startup_timeout_s if it is still loading); last lines of "
+                "(raise rollout.sglang.startup_timeout_s if it is still loading); last lines of "
                 f"{log_path}:\n{tail_of(log_path)}"
             )
         time.sleep(0.5)

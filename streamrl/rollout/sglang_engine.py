@@ -1,7 +1,7 @@
 """The SGLang rollout engine (`rollout.engine=sglang`): the Engine protocol over SGLang's HTTP API.
 
 The engine either launches a server (`python -m sglang.launch_server --model-path ... --port ...`,
-waits for `/health`, stops it on `close()`) or attaches to one (`rollout.sglang_url`). Token ids
+waits for `/health`, stops it on `close()`) or attaches to one (`rollout.sglang.url`). Token ids
 go in and come out; nothing is tokenized or detokenized on this side.
 
 - **Requests.** Each request is one native `/generate` call with `input_ids`, `return_logprob`
@@ -16,7 +16,7 @@ go in and come out; nothing is tokenized or detokenized on this side.
   each response reports the `weight_version` it was generated under; every token of a request
   attempt is stamped with it. Before this engine's first update (an attached server may report
   any label) tokens carry the engine's own version.
-- **Weights** (`weight_sync`, `rollout.sglang_weight_sync`), either way with `flush_cache`, so
+- **Weights** (`weight_sync`, `rollout.sglang.weight_sync`), either way with `flush_cache`, so
   cached attention of the old weights is dropped, and without pickle:
   - `disk` (default): `load_weights` writes the named tensors as one safetensors file into a
     snapshot directory and calls `/update_weights_from_disk`. The server must read that path.
@@ -467,16 +467,16 @@ def make_sglang_engine(ctx: RunContext) -> SglangEngine:
 
     r = ctx.cfg.rollout
     settings = SglangSettings(
-        url=r.sglang_url,
-        launch_cmd=tuple(r.sglang_launch_cmd or DEFAULT_LAUNCH_CMD),
-        launch_args=tuple(r.sglang_launch_args),
-        dtype=ctx.cfg.model.dtype if r.sglang_dtype == "auto" else r.sglang_dtype,
-        deterministic=r.sglang_deterministic,
+        url=r.sglang.url,
+        launch_cmd=tuple(r.sglang.launch_cmd or DEFAULT_LAUNCH_CMD),
+        launch_args=tuple(r.sglang.launch_args),
+        dtype=ctx.cfg.model.dtype if r.sglang.dtype == "auto" else r.sglang.dtype,
+        deterministic=r.sglang.deterministic,
         max_running_requests=r.max_batch_size,
-        startup_timeout_s=r.sglang_startup_timeout_s,
-        request_timeout_s=r.sglang_request_timeout_s,
-        weights_dir=r.sglang_weights_dir or Path(ctx.run_dir) / "sglang",
-        weight_sync=r.sglang_weight_sync,
+        startup_timeout_s=r.sglang.startup_timeout_s,
+        request_timeout_s=r.sglang.request_timeout_s,
+        weights_dir=r.sglang.weights_dir or Path(ctx.run_dir) / "sglang",
+        weight_sync=r.sglang.weight_sync,
     )
     eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
     return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)

@@ -4,7 +4,7 @@ Token ids go in, token ids come out with the log-prob of every sampled token and
 version that produced it. How one `vllm.LLM` is started, fed and reloaded (processed log-probs,
 per-request seeds, synchronous scheduling, in-place weight reload) is `rollout/vllm_replica.py`;
 this module is the generation loop over `VllmSettings.num_engines` of them
-(`rollout.vllm_engines`).
+(`rollout.vllm.engines`).
 
 Each vLLM request reports once, when it finishes: per-step outputs would cost more than a small
 model's forward pass. An in-flight weight update (the protocol's `weight_poll`, asked between
@@ -121,7 +121,7 @@ class VllmEngine:
                 raise ValueError(
                     f"request {r.request_id!r}: {len(r.prompt_ids)} prompt tokens + "
                     f"{params.max_new_tokens} new tokens exceed vLLM's max_model_len "
-                    f"{self.max_model_len}; raise rollout.vllm_max_model_len or shorten prompts"
+                    f"{self.max_model_len}; raise rollout.vllm.max_model_len or shorten prompts"
                 )
         pending = deque(self._units([SequenceState(r) for r in requests], params))
         results: dict[str, GenerationResult] = {}

@@ -220,8 +220,8 @@ def engine_envs(settings: VllmSettings) -> list[dict[str, str]]:
         if n * per_engine > len(devices):
             raise ValueError(
                 f"{n} vLLM engines x {per_engine} GPUs each need {n * per_engine} GPUs, but "
-                f"{len(devices)} are visible ({','.join(devices)}); lower rollout.vllm_engines "
-                "or give the rollout role more GPUs (runtime.roles.rollout.num_gpus)"
+                f"{len(devices)} are visible ({','.join(devices)}); lower rollout.vllm.engines "
+                "or give the rollout role more GPUs (runtime.ray.roles.rollout.num_gpus)"
             )
         return [
             {"CUDA_VISIBLE_DEVICES": ",".join(devices[i * per_engine : (i + 1) * per_engine])}

@@ -99,8 +99,8 @@ def prepare(
 
 def context_length(cfg: Config, policy_dir: Path) -> int | None:
     """The most tokens (prompt + response) the rollout engine takes for one sample."""
-    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm_max_model_len:
-        return cfg.rollout.vllm_max_model_len
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.max_model_len:
+        return cfg.rollout.vllm.max_model_len
     model = json.loads((Path(policy_dir) / "config.json").read_text())
     model = model.get("text_config", model)  # multimodal configs nest the language model's
     return model.get("max_position_embeddings")

@@ -252,9 +252,9 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
                 break
             except TrainerLost as e:
                 tracker.close()
-                if trainer_restarts >= cfg.runtime.max_restarts:
+                if trainer_restarts >= cfg.runtime.ray.max_restarts:
                     raise RoleFailed(
-                        f"{e}; restart budget (runtime.max_restarts={cfg.runtime.max_restarts}) "
+                        f"{e}; restart budget (runtime.ray.max_restarts={cfg.runtime.ray.max_restarts}) "
                         "spent",
                         log=log_path(run_dir, "trainer"),
                     ) from e
@@ -265,7 +265,7 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
                     e,
                     checkpoint or "the start",
                     trainer_restarts,
-                    cfg.runtime.max_restarts,
+                    cfg.runtime.ray.max_restarts,
                 )
         start_step = first_start
         # Restarts of every role (trainer_restarts) plus the trainer's own in place, if any.

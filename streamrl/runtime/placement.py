@@ -1,5 +1,5 @@
-"""Where role actors run: Ray actor options from `runtime.roles.<role>`, optionally inside one
-placement group (`runtime.placement_group.strategy`).
+"""Where role actors run: Ray actor options from `runtime.ray.roles.<role>`, optionally inside one
+placement group (`runtime.ray.placement_group.strategy`).
 
 Without a placement group each replica is an ordinary actor with its role's resources (CPUs,
 GPUs, custom resources) and, with `node`, hard node affinity. With one, the driver reserves a
@@ -32,7 +32,7 @@ LIGHT_ROLE_THREADS = 1
 
 
 def role_placement(roles_config, role: str):
-    """`runtime.roles.<role>`; a role a plugin added, which has no section there, is placed as
+    """`runtime.ray.roles.<role>`; a role a plugin added, which has no section there, is placed as
     a role that reserves nothing (one replica)."""
     from streamrl.config.schema import RolePlacement
 
@@ -40,10 +40,10 @@ def role_placement(roles_config, role: str):
 
 
 def local_cores(cfg) -> int:
-    """Cores of the local Ray instance this run starts: `runtime.num_cpus`, else the cores this
+    """Cores of the local Ray instance this run starts: `runtime.ray.num_cpus`, else the cores this
     process may run on."""
-    if cfg.runtime.num_cpus:
-        return cfg.runtime.num_cpus
+    if cfg.runtime.ray.num_cpus:
+        return cfg.runtime.ray.num_cpus
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -54,7 +54,7 @@ def role_threads(cfg, role: str, cores: int) -> tuple[int, str]:
     """torch threads of one process of `role` in ray mode, and where the number came from.
 
     `trainer.threads` / `rollout.threads` when set; else the CPUs the role reserves
-    (`runtime.roles.<role>.num_cpus`, whole ones); else, on a local instance of `cores` cores,
+    (`runtime.ray.roles.<role>.num_cpus`, whole ones); else, on a local instance of `cores` cores,
     the trainer half of them (rounded up) and the rollout the rest, split over the trainer's
     ranks and the rollout's replicas; on an existing cluster, whose nodes' cores this process
     cannot see, one. The light roles always get one."""
@@ -63,10 +63,10 @@ def role_threads(cfg, role: str, cores: int) -> tuple[int, str]:
         return LIGHT_ROLE_THREADS, "light role"
     if explicit[role] is not None:
         return explicit[role], f"{role}.threads"
-    placement = role_placement(cfg.runtime.roles, role)
+    placement = role_placement(cfg.runtime.ray.roles, role)
     if placement.num_cpus >= 1:
-        return int(placement.num_cpus), f"runtime.roles.{role}.num_cpus"
-    if cfg.runtime.ray_address is not None:
+        return int(placement.num_cpus), f"runtime.ray.roles.{role}.num_cpus"
+    if cfg.runtime.ray.address is not None:
         return 1, "existing cluster"
     trainer_share = (cores + 1) // 2
     if role == "trainer":
@@ -77,7 +77,7 @@ def role_threads(cfg, role: str, cores: int) -> tuple[int, str]:
 
 
 def placement_options(placement) -> dict[str, Any]:
-    """Ray actor options for a role's `runtime.roles.<role>` entry, outside a placement group."""
+    """Ray actor options for a role's `runtime.ray.roles.<role>` entry, outside a placement group."""
     options: dict[str, Any] = {
         "num_cpus": placement.num_cpus,
         "num_gpus": placement.num_gpus,
@@ -99,7 +99,7 @@ def node_id(node: str) -> str:
         if node in (n["NodeID"], n["NodeManagerAddress"]):
             return n["NodeID"]
     known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in alive)
-    raise ValueError(f"runtime.roles: no live Ray node {node!r}; nodes: {known}")
+    raise ValueError(f"runtime.ray.roles: no live Ray node {node!r}; nodes: {known}")
 
 
 def bundle(placement) -> dict[str, float]:
@@ -152,7 +152,7 @@ class RolePlacementGroup:
             asked = ", ".join(f"{n}: {b}" for n, b in zip(names, bundles, strict=True))
             raise RuntimeError(
                 f"the cluster could not reserve a {strategy} placement group within "
-                f"{timeout_s:g}s (runtime.placement_group.timeout_s). Bundles: {asked}. Cluster "
+                f"{timeout_s:g}s (runtime.ray.placement_group.timeout_s). Bundles: {asked}. Cluster "
                 f"resources: {ray.cluster_resources()}. Lower the roles' resources, add nodes, "
                 "or pick a looser strategy (PACK or SPREAD)."
             ) from None

@@ -48,14 +48,14 @@ def check_paths(cfg) -> None:
         warn_on_a_trained_model(cfg)
     check_local_resources(cfg)
     rt = cfg.runtime
-    if rt.weight_channel == "tcp":
+    if rt.weights.channel == "tcp":
         from streamrl.weights.remote import resolve_token
         from streamrl.weights.tcp import is_loopback
 
-        if not is_loopback(rt.weight_bind) and not resolve_token(rt.weight_token):
+        if not is_loopback(rt.weights.bind) and not resolve_token(rt.weights.token):
             raise ConfigError(
-                f"runtime.weight_bind = {rt.weight_bind!r} serves weights beyond this machine "
-                "without a token: set runtime.weight_token or $STREAMRL_WEIGHT_TOKEN"
+                f"runtime.weights.bind = {rt.weights.bind!r} serves weights beyond this machine "
+                "without a token: set runtime.weights.token or $STREAMRL_WEIGHT_TOKEN"
             )
 
 
@@ -67,16 +67,16 @@ DATA_ORDER_KEYS = (
     "data.train_file",
     "data.seed",
     "rollout.batch_prompts",
-    "algorithm.dynamic_sampling",
-    "algorithm.dynamic_sampling_oversample",
-    "algorithm.dynamic_sampling_max_batches",
+    "algorithm.dynamic_sampling.enabled",
+    "algorithm.dynamic_sampling.oversample",
+    "algorithm.dynamic_sampling.max_batches",
 )
 
 
 # With a data file, also which of its rows are too long to keep (streamrl.runtime.context).
 FILE_ORDER_KEYS = (
     "rollout.max_new_tokens",
-    "rollout.vllm_max_model_len",
+    "rollout.vllm.max_model_len",
     "data.chat_template",
     "data.prompt_template",
     "data.system_prompt",
@@ -85,12 +85,19 @@ FILE_ORDER_KEYS = (
 )
 
 
+def config_value(cfg, dotted: str):
+    """The value of a dotted key (`algorithm.dynamic_sampling.enabled`) of a config."""
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def check_same_data_order(saved, cfg, run_dir: Path) -> None:
     """Refuse resume overrides that change the data order the run's checkpoints count in."""
     changed = []
     for key in DATA_ORDER_KEYS + (FILE_ORDER_KEYS if saved.data.train_file else ()):
-        section, name = key.split(".")
-        before, after = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        before, after = config_value(saved, key), config_value(cfg, key)
         if before != after:
             changed.append(f"{key} {before!r} -> {after!r}")
     if changed:
@@ -155,7 +162,7 @@ def check_local_resources(cfg) -> None:
     import importlib.util
 
     r = cfg.rollout
-    if cfg.runtime.ray_address:
+    if cfg.runtime.ray.address:
         return
     cuda = [
         key
@@ -177,12 +184,12 @@ def check_local_resources(cfg) -> None:
         )
     if r.engine == "vllm":
         check_vllm_cpu_head_size(cfg)
-    launches = r.sglang_url is None and r.sglang_launch_cmd is None
+    launches = r.sglang.url is None and r.sglang.launch_cmd is None
     if r.engine == "sglang" and launches and importlib.util.find_spec("sglang") is None:
         raise ConfigError(
             "rollout.engine = 'sglang', but SGLang is not installed here: install it (a GPU "
-            "build), attach a running server (rollout.sglang_url=http://host:port) or say how "
-            "to start one (rollout.sglang_launch_cmd)"
+            "build), attach a running server (rollout.sglang.url=http://host:port) or say how "
+            "to start one (rollout.sglang.launch_cmd)"
         )
 
 

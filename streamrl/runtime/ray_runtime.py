@@ -7,7 +7,7 @@ records or tell it to stop while the loop runs. Ray starts locally when no addre
 Around the roles: their placement (`runtime/placement.py`, optionally one placement group),
 their supervision (`runtime/supervisor.py`; a lost trainer resumes in place,
 `runtime/recovery.py`), their logs (`RUN_DIR/logs/<role>.log`, `runtime/logs.py`) and the weight
-channel (`runtime.weight_channel`: object store, tcp or collective).
+channel (`runtime.weights.channel`: object store, tcp or collective).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def ensure_ray(ctx: RunContext) -> None:
     if not any(isinstance(f, _QuietTokenNotice) for f in token_log.filters):
         token_log.addFilter(_QuietTokenNotice())
     rt = ctx.cfg.runtime
-    if rt.ray_address:
-        ray.init(address=rt.ray_address, log_to_driver=True)
+    if rt.ray.address:
+        ray.init(address=rt.ray.address, log_to_driver=True)
     else:
         ray.init(
             address="local",  # our own instance, even if another Ray cluster runs on this machine
@@ -221,12 +221,12 @@ def run_ray(
     names = [
         f"{spec.name}#{i}" if i else spec.name
         for spec in specs
-        for i in range(role_placement(rt.roles, spec.name).replicas)
+        for i in range(role_placement(rt.ray.roles, spec.name).replicas)
     ]
     group = None
-    if rt.placement_group.strategy != "none":  # first: it fails fast if it cannot be reserved
+    if rt.ray.placement_group.strategy != "none":  # first: it fails fast if it cannot be reserved
         group = RolePlacementGroup(
-            names, rt.roles, rt.placement_group.strategy, rt.placement_group.timeout_s
+            names, rt.ray.roles, rt.ray.placement_group.strategy, rt.ray.placement_group.timeout_s
         )
     log_sink = start_log_sink(ctx.run_dir)
     capacity = bus_capacity_groups(ctx.cfg) + held_groups(ctx.cfg, groups_per_step(ctx.cfg))
@@ -234,7 +234,7 @@ def run_ray(
     # most two calls in flight (the trainer's prefetch claim and its acks), plus the driver's.
     # Replicas added later (`streamrl scale`) share the margin; past it, calls queue, briefly.
     threads = max(BUS_THREADS, 16 + 4 * len(names))
-    bus = RayBus.create(capacity_groups=capacity, shards=rt.bus_shards, max_concurrency=threads)
+    bus = RayBus.create(capacity_groups=capacity, shards=rt.ray.bus_shards, max_concurrency=threads)
     for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)
@@ -259,7 +259,7 @@ def run_ray(
         if group is not None:  # its bundle (a restarted replica goes back into its own)
             options = group.options(name)
         else:
-            options = placement_options(role_placement(rt.roles, base_role(name)))
+            options = placement_options(role_placement(rt.ray.roles, base_role(name)))
         if name == "trainer":
             args = (trainer_start["ctx"], bus, trainer_start["weights"], trainer_start["step"])
         else:
@@ -285,10 +285,10 @@ def run_ray(
         bus,
         ctx.run_dir,
         consumers={spec.name: spec.bus_consumers for spec in specs},
-        max_restarts=rt.max_restarts,
-        backoff_s=rt.restart_backoff_s,
-        health_interval_s=rt.health_interval_s,
-        health_timeout_s=rt.health_timeout_s,
+        max_restarts=rt.ray.max_restarts,
+        backoff_s=rt.ray.restart_backoff_s,
+        health_interval_s=rt.ray.health_interval_s,
+        health_timeout_s=rt.ray.health_timeout_s,
         log_sink=log_sink,
         on_removed=group.release if group is not None else None,
         resume_trainer=resume_trainer if in_place_recovery(ctx.cfg) else None,
@@ -299,7 +299,7 @@ def run_ray(
         # to the others. Every other channel needs nothing from it, so all roles are built at
         # once (their imports and model loads overlap: seconds off every run's start).
         others = [n for n in names if n != "trainer"]
-        if rt.weight_channel == "tcp":
+        if rt.weights.channel == "tcp":
             supervisor.start(["trainer"], run=False)
             info = supervisor.info["trainer"]
             subscriber = weights_for_engines(ctx, trainer_start["weights"], info)
@@ -331,20 +331,20 @@ def run_ray(
 
 
 def weights_for_trainer(ctx: RunContext):
-    """The weight-sync handle the trainer publishes to (`runtime.weight_channel`)."""
+    """The weight-sync handle the trainer publishes to (`runtime.weights.channel`)."""
     rt = ctx.cfg.runtime
-    if rt.weight_channel == "tcp":
+    if rt.weights.channel == "tcp":
         from streamrl.weights.remote import TcpPublisher, resolve_token
 
-        return TcpPublisher(rt.weight_bind, rt.weight_port, resolve_token(rt.weight_token))
-    if rt.weight_channel == "collective":
+        return TcpPublisher(rt.weights.bind, rt.weights.port, resolve_token(rt.weights.token))
+    if rt.weights.channel == "collective":
         from streamrl.weights.collective_channel import CollectivePublisher, GroupDirectory
 
         return CollectivePublisher(
             GroupDirectory.create(),
-            rt.weight_bind,
-            rt.weight_port,
-            backend=rt.weight_collective_backend,
+            rt.weights.bind,
+            rt.weights.port,
+            backend=rt.weights.collective_backend,
         )
     from streamrl.weights.dcs import RayWeights
 
@@ -354,7 +354,7 @@ def weights_for_trainer(ctx: RunContext):
 def weights_for_restarted_trainer(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
     """The handle a trainer restarted in place publishes to: the same, except that a tcp weight
     server binds the port the first one got, where the engines' subscribers reconnect."""
-    if ctx.cfg.runtime.weight_channel != "tcp":
+    if ctx.cfg.runtime.weights.channel != "tcp":
         return publisher
     from streamrl.weights.remote import TcpPublisher
 
@@ -375,11 +375,11 @@ def _trainer_step(supervisor: Supervisor | None, default: int) -> int:
 def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
     """The handle the other roles read weights from: the publisher itself for the object-store
     channel, a client of the trainer's weight server for tcp, a group member for collective."""
-    if ctx.cfg.runtime.weight_channel == "collective":
+    if ctx.cfg.runtime.weights.channel == "collective":
         from streamrl.weights.collective_channel import CollectiveSubscriber
 
         return CollectiveSubscriber(publisher.directory)
-    if ctx.cfg.runtime.weight_channel != "tcp":
+    if ctx.cfg.runtime.weights.channel != "tcp":
         return publisher
     from streamrl.weights.remote import TcpSubscriber
     from streamrl.weights.tcp import is_loopback

@@ -1,4 +1,4 @@
-"""Recovering a lost trainer in place (`runtime.trainer_recovery=in_place`): only the trainer
+"""Recovering a lost trainer in place (`runtime.ray.trainer_recovery=in_place`): only the trainer
 restarts, from its latest checkpoint, while rollout, reward, advantage and the rest keep running.
 
 The trainer resumes at checkpoint step c, so the bus must still hold every row it trained after

@@ -2,17 +2,17 @@
 
 Each role runs in its own actor. The supervisor watches two signals: the actor's loop ending
 (with an error, or because its process died) and a periodic health ping that must be answered
-within `runtime.health_timeout_s` (a hung process is killed, then handled as dead).
+within `runtime.ray.health_timeout_s` (a hung process is killed, then handled as dead).
 
 - A stateless role (feeder, rollout, reward, reference, logp, advantage) is restarted in place:
   its open leases are handed back to the bus at once, so its rows are served again, and the new
   process pulls the current weights. The critic restarts the same way and
   continues from its newest state file (`critic/step-<k>.pt`).
-- The trainer is stateful. With `resume_trainer` (`runtime.trainer_recovery=in_place`) it is
+- The trainer is stateful. With `resume_trainer` (`runtime.ray.trainer_recovery=in_place`) it is
   restarted alone from its latest checkpoint, the other roles running on (`runtime/recovery.py`
   says how the bus and the logs are rewound); without it `TrainerLost` is raised and the
   controller restarts every role from the latest checkpoint.
-- Each role has `runtime.max_restarts` restarts, with exponential backoff; when they are spent,
+- Each role has `runtime.ray.max_restarts` restarts, with exponential backoff; when they are spent,
   the run fails with the role's last error.
 
 Every failure and action is logged, appended to `events.jsonl` in the run directory and to the
@@ -184,7 +184,7 @@ class Supervisor:
             self._event(name, reason, "restart budget spent: stopping the run")
             self.write_status()
             raise RoleFailed(
-                f"role {name!r} failed {used + 1} times (runtime.max_restarts={self.max_restarts}); "
+                f"role {name!r} failed {used + 1} times (runtime.ray.max_restarts={self.max_restarts}); "
                 f"last failure: {reason}",
                 log=log_path(self.run_dir, name),
             )

@@ -51,7 +51,7 @@ def run_sync(
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
     with building("reward"):
         scorer = make_scorer(ctx)
-    reference = load_policy_model(ctx) if cfg.algorithm.kl_coef > 0 else None
+    reference = load_policy_model(ctx) if cfg.algorithm.kl.coef > 0 else None
     adv_settings = advantage_settings(cfg)
     reward_norm = (
         RewardNormaliser(adv_settings.reward_norm_momentum) if adv_settings.reward_norm else None
@@ -61,7 +61,7 @@ def run_sync(
         norm_log = NormaliserLog(reward_norm, ctx.run_dir / NORMALISER_FILE, keep_batches=2)
         if ctx.checkpoint is not None:
             norm_log.restore(start_step)
-    critic = make_critic(ctx) if cfg.algorithm.advantage == "gae" else None
+    critic = make_critic(ctx) if cfg.algorithm.advantage.estimator == "gae" else None
     params = sampling_params(cfg)
     micro = cfg.algorithm.micro_batch_groups * cfg.rollout.group_size
     rollout_s = 0.0
@@ -88,7 +88,7 @@ def run_sync(
                     temperature=cfg.rollout.temperature,
                 ),
             )
-        if cfg.algorithm.proximal == "pi_old":  # the pi_old role's job, at this version
+        if cfg.algorithm.off_policy.proximal == "pi_old":  # the pi_old role's job, at this version
             _merge(rows, _old_logprobs(trainer.learner, rows, tokenizer.pad_token_id, cfg))
         if critic is not None:
             _merge(rows, critic.values(rows))
@@ -107,7 +107,7 @@ def run_sync(
             started = time.perf_counter()
             batches = [batch_rows(step, 0)]
             rows, plan = batches[0], None
-            if cfg.algorithm.dynamic_sampling:
+            if cfg.algorithm.dynamic_sampling.enabled:
                 plan = StepGroups(
                     target=cfg.rollout.batch_prompts, max_rounds=batches_per_step(cfg)
                 )

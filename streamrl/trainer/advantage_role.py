@@ -18,20 +18,20 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
 
     a = cfg.algorithm
     return AdvantageSettings(
-        estimator=a.advantage,
-        scale=a.adv_scale,
-        std_unbiased=a.std_unbiased,
-        std_eps=a.std_eps,
-        gamma=a.gamma,
-        lam=a.lam,
-        kl_in_reward_coef=a.kl_coef if a.kl_in_reward else 0.0,
-        kl_estimator=a.kl_estimator,
-        overlong_cache=a.overlong_cache,
+        estimator=a.advantage.estimator,
+        scale=a.advantage.scale,
+        std_unbiased=a.advantage.std_unbiased,
+        std_eps=a.advantage.std_eps,
+        gamma=a.advantage.gamma,
+        lam=a.advantage.lam,
+        kl_in_reward_coef=a.kl.coef if a.kl.in_reward else 0.0,
+        kl_estimator=a.kl.estimator,
+        overlong_cache=a.shaping.overlong_cache,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        dynamic_sampling=a.dynamic_sampling,
-        reward_clip=a.reward_clip,
-        reward_norm=a.reward_norm,
-        reward_norm_momentum=a.reward_norm_momentum,
+        dynamic_sampling=a.dynamic_sampling.enabled,
+        reward_clip=a.shaping.reward_clip,
+        reward_norm=a.shaping.reward_norm,
+        reward_norm_momentum=a.shaping.reward_norm_momentum,
     )
 
 

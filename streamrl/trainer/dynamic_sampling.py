@@ -110,7 +110,7 @@ class StepGroups:
         if counts[TRAIN] < self.target and self.max_rounds > 1:
             log.warning(
                 "step %d: only %d of %d groups had signal after %d generation batches "
-                "(algorithm.dynamic_sampling_max_batches); training on those",
+                "(algorithm.dynamic_sampling.max_batches); training on those",
                 step,
                 counts[TRAIN],
                 self.target,

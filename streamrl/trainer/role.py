@@ -33,22 +33,22 @@ def loss_settings(cfg: Config) -> LossSettings:
 
     a = cfg.algorithm
     return LossSettings(
-        policy_loss=a.policy_loss,
-        clip_eps_low=a.clip_eps_low,
-        clip_eps_high=a.clip_eps_high,
-        dual_clip=a.dual_clip,
-        cispo_max_ratio=a.cispo_max_ratio,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        kl_in_reward=a.kl_in_reward,
-        entropy_coef=a.entropy_coef,
-        is_mode=a.is_correction,
-        is_level=a.is_level,
-        tis_cap=a.tis_cap,
-        mis_band=(a.mis_low, a.mis_high),
-        loss_agg=a.loss_agg,
-        loss_agg_constant=a.loss_agg_constant or float(cfg.rollout.max_new_tokens),
-        max_token_staleness=a.max_token_staleness,
+        policy_loss=a.loss.type,
+        clip_eps_low=a.loss.clip_eps_low,
+        clip_eps_high=a.loss.clip_eps_high,
+        dual_clip=a.loss.dual_clip,
+        cispo_max_ratio=a.loss.cispo_max_ratio,
+        kl_coef=a.kl.coef,
+        kl_estimator=a.kl.estimator,
+        kl_in_reward=a.kl.in_reward,
+        entropy_coef=a.loss.entropy_coef,
+        is_mode=a.off_policy.correction,
+        is_level=a.off_policy.level,
+        tis_cap=a.off_policy.tis_cap,
+        mis_band=(a.off_policy.mis_low, a.off_policy.mis_high),
+        loss_agg=a.loss.agg,
+        loss_agg_constant=a.loss.agg_constant or float(cfg.rollout.max_new_tokens),
+        max_token_staleness=a.off_policy.max_token_staleness,
     )
 
 
@@ -56,9 +56,9 @@ def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
     """Fields the trainer needs beyond the rollout's, reward's and advantage's."""
     a = cfg.algorithm
     extra = []
-    if a.kl_coef > 0 and not a.kl_in_reward:
+    if a.kl.coef > 0 and not a.kl.in_reward:
         extra.append(F.REF_LOGPROBS)
-    if a.proximal == "pi_old":
+    if a.off_policy.proximal == "pi_old":
         extra.append(F.OLD_LOGPROBS)
     return tuple(extra)
 
@@ -123,7 +123,7 @@ def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
         and not settings.kl_in_loss
         and settings.entropy_coef == 0,
         max_staleness=ctx.cfg.rollout.max_staleness,
-        mask_truncated=a.mask_truncated,
+        mask_truncated=a.shaping.mask_truncated,
     )
 
 
@@ -202,7 +202,7 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> TrainerWithHooks
         micro_batch_rows=cfg.algorithm.micro_batch_groups * cfg.rollout.group_size,
         lease_s=cfg.runtime.lease_s,
         start_step=start_step,
-        refill=make_feeder(ctx) if cfg.algorithm.dynamic_sampling else None,
+        refill=make_feeder(ctx) if cfg.algorithm.dynamic_sampling.enabled else None,
         max_rounds=batches_per_step(cfg),
     )
     hooks = TrainerHooks(ctx, learner, bus_state=bus.state_dict)

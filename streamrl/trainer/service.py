@@ -75,7 +75,7 @@ def untrained_step_message(step: int, num_rows: int, dropped: Mapping[str, int])
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()))
     hint = {
         "truncated": "every response reached rollout.max_new_tokens under "
-        "algorithm.mask_truncated: raise the one or turn off the other",
+        "algorithm.shaping.mask_truncated: raise the one or turn off the other",
         "stale": "raise rollout.max_staleness or speed up the trainer",
     }.get(max(dropped, key=dropped.get) if dropped else "", "see samples/dropped_<reason>")
     return (

@@ -1,4 +1,4 @@
-"""The `collective` weight channel of a Ray run (`runtime.weight_channel=collective`): a
+"""The `collective` weight channel of a Ray run (`runtime.weights.channel=collective`): a
 torch.distributed broadcast (gloo) from the trainer to the engines in the steady state, and the
 DCS host copy in Ray's object store for everything a fixed-size group cannot do.
 

@@ -26,7 +26,7 @@ def test_a_role_that_cannot_be_built_stops_the_run_with_its_reason(tmp_path, mod
             f"model.path={model_dir}",
             f"runtime.mode={mode}",
             "rollout.engine=sglang",  # a server command that exits at once: the rollout's
-            'rollout.sglang_launch_cmd=["/bin/false"]',  # engine cannot be built
+            'rollout.sglang.launch_cmd=["/bin/false"]',  # engine cannot be built
             f"run.run_dir={run_dir}",
         ],
         check_ok=False,
@@ -56,9 +56,9 @@ def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode)
             *QUICK,
             f"model.path={model_dir}",
             f"runtime.mode={mode}",
-            "runtime.max_restarts=1",
+            "runtime.ray.max_restarts=1",
             "rollout.engine=sglang",  # a server that fails every generation
-            f'rollout.sglang_launch_cmd=["{sys.executable}", "{server}", "--fail-generate", '
+            f'rollout.sglang.launch_cmd=["{sys.executable}", "{server}", "--fail-generate", '
             '"CUDA out of memory (simulated)"]',
             f"run.run_dir={run_dir}",
         ],
@@ -69,7 +69,9 @@ def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode)
     failure = "HTTP 500: CUDA out of memory (simulated)"
     if mode == "ray":  # restarted once, then stopped
         log = run_dir / "logs" / "rollout.log"
-        said = "streamrl: role 'rollout' failed 2 times (runtime.max_restarts=1); last failure: "
+        said = (
+            "streamrl: role 'rollout' failed 2 times (runtime.ray.max_restarts=1); last failure: "
+        )
     else:  # one failure domain: no restarts
         log = run_dir / "logs" / "controller.log"
         said = "streamrl: role rollout failed: "

@@ -1,7 +1,7 @@
 """The collective weight channel in a real run, with an engine killed on the way.
 
 With max_staleness=0 every sample depends on exactly the weights of the step before, so a run
-over `runtime.weight_channel=collective` must draw the same samples as one over the object
+over `runtime.weights.channel=collective` must draw the same samples as one over the object
 store, even though its rollout engine is SIGKILLed mid-run: the versions published while the
 group is down reach the restarted engine through the host copy, and a new group (epoch 2) forms
 with the new process. Any lost, late or corrupted update would change the
@@ -42,7 +42,7 @@ def test_collective_channel_survives_an_engine_restart_with_the_same_samples(tmp
         "algorithm.lr_schedule=constant",
     ]
     run_dir = tmp_path / "collective"
-    args = [*common, f"trainer.steps={CEILING}", "runtime.weight_channel=collective"]
+    args = [*common, f"trainer.steps={CEILING}", "runtime.weights.channel=collective"]
     proc = start(args, run_dir)
     try:
         kill_role(proc, run_dir, "rollout", at_step=8)

@@ -77,8 +77,8 @@ def run_exact(mode: str, run_dir, *extra: str) -> None:
         [
             "train",
             *COMMON,
-            "algorithm.reward_norm=true",
-            "algorithm.adv_scale=none",
+            "algorithm.shaping.reward_norm=true",
+            "algorithm.advantage.scale=none",
             "rollout.batch_prompts=4",
             "rollout.max_staleness=0",
             "trainer.steps=6",

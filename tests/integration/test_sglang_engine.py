@@ -2,7 +2,7 @@
 
 SGLang needs a GPU, so the server here is the project's test double (`tests/fakes/
 sglang_server.py`: SGLang's HTTP API answered by the builtin engine, launched through
-`rollout.sglang_launch_cmd` as the engine launches `sglang.launch_server`). What is under test
+`rollout.sglang.launch_cmd` as the engine launches `sglang.launch_server`). What is under test
 is streamrl's side: the engine launched by the rollout role, generation over HTTP, a weight
 update after every optimizer step, and the server stopped at the end, with every role its own
 Ray process and with every role a thread of one process.
@@ -43,7 +43,7 @@ def test_a_run_trains_on_the_weights_each_step_sends_to_the_sglang_server(tmp_pa
             f"model.path={model_dir}",
             f"runtime.mode={mode}",
             "rollout.engine=sglang",
-            f'rollout.sglang_launch_cmd=["{sys.executable}", "{SERVER}"]',
+            f'rollout.sglang.launch_cmd=["{sys.executable}", "{SERVER}"]',
             "rollout.max_staleness=0",
             "rollout.max_new_tokens=8",
             "reward.function=tests.integration.digit_reward:digit_share",  # signal from step 1

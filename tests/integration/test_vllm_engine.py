@@ -10,7 +10,7 @@
    trainer scores it with) the mean |trainer - vLLM| log-prob of every step stays under
    MISMATCH_BOUND. Measured on this machine, fp32: 4e-8 to 2.3e-7 per step (docs/engines.md).
 3. Two vLLM engines behind one rollout service, each in an engine-core process of its own
-   (`rollout.vllm_engines=2 rollout.vllm_in_process=false`), at `max_staleness=0` in the Ray
+   (`rollout.vllm.engines=2 rollout.vllm.in_process=false`), at `max_staleness=0` in the Ray
    layout: groups split between the engine cores (least-loaded routing), and each new version
    goes to both as a safetensors blob. Every step's mismatch must stay under the same bound: an
    engine that missed an update would serve its share from old weights and the mismatch would
@@ -137,9 +137,9 @@ def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
     run_dir = tmp_path / "two-engines"
     on_policy_run(
         run_dir,
-        "rollout.vllm_engines=2",
-        "rollout.vllm_in_process=false",
-        "rollout.vllm_kv_cache_gib=0.25",
+        "rollout.vllm.engines=2",
+        "rollout.vllm.in_process=false",
+        "rollout.vllm.kv_cache_gib=0.25",
     )
     assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
     # The rollout role logs its stats, with the requests each engine was given, to its log in

@@ -26,7 +26,7 @@ def test_tcp_channel_gives_the_same_samples_as_the_object_store(tmp_path, quick_
     runs = {}
     for channel in ("object_store", "tcp"):
         run_dir = tmp_path / channel
-        run_cli(["train", *common, f"runtime.weight_channel={channel}", f"run.run_dir={run_dir}"])
+        run_cli(["train", *common, f"runtime.weights.channel={channel}", f"run.run_dir={run_dir}"])
         runs[channel] = digests(run_dir)
     assert len(runs["tcp"]) == 6
     assert runs["tcp"] == runs["object_store"]
@@ -39,8 +39,8 @@ def test_tcp_channel_refuses_a_public_address_without_a_token(tmp_path, quick_ca
             *QUICK,
             f"run.cache_dir={quick_cache}",
             "trainer.steps=1",
-            "runtime.weight_channel=tcp",
-            "runtime.weight_bind=0.0.0.0",
+            "runtime.weights.channel=tcp",
+            "runtime.weights.bind=0.0.0.0",
             f"run.run_dir={tmp_path / 'public'}",
         ],
         check_ok=False,

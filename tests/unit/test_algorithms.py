@@ -1,4 +1,4 @@
-"""The algorithm library against hand-derived vectors (shared/ALGORITHMS.md) and invariants."""
+"""The algorithm library against hand-derived vectors (docs/algorithms.md) and invariants."""
 
 from __future__ import annotations
 

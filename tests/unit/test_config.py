@@ -90,13 +90,13 @@ def test_override_strings_are_coerced_to_field_types() -> None:
             "algorithm.lr=1e-5",
             "rollout.max_staleness=2",
             "model.path=null",
-            "algorithm.tis_cap=null",
+            "algorithm.off_policy.tis_cap=null",
         ]
     )
     assert cfg.algorithm.lr == 1e-5 and isinstance(cfg.algorithm.lr, float)
     assert cfg.rollout.max_staleness == 2 and isinstance(cfg.rollout.max_staleness, int)
     assert cfg.model.path is None
-    assert cfg.algorithm.tis_cap is None
+    assert cfg.algorithm.off_policy.tis_cap is None
 
     cfg = load_config(["model.path=/models/x", "run.tensorboard=false", "model.dtype=bfloat16"])
     assert (cfg.model.path, cfg.run.tensorboard, cfg.model.dtype) == (
@@ -110,8 +110,8 @@ def test_an_override_value_yaml_cannot_read_as_a_scalar_is_the_text_itself() -> 
     template = "Q: {prompt} A: [think] then answer"  # not YAML; `a: b` reads as a mapping
     cfg = load_config([f"data.prompt_template={template}", "data.system_prompt=Say: hi"])
     assert cfg.data.prompt_template == template and cfg.data.system_prompt == "Say: hi"
-    kwargs = load_config(["rollout.vllm_engine_kwargs={enable_chunked_prefill: false}"])
-    assert kwargs.rollout.vllm_engine_kwargs == {"enable_chunked_prefill": False}
+    kwargs = load_config(["rollout.vllm.engine_kwargs={enable_chunked_prefill: false}"])
+    assert kwargs.rollout.vllm.engine_kwargs == {"enable_chunked_prefill": False}
 
 
 def test_empty_override_value_means_none() -> None:
@@ -137,7 +137,7 @@ def test_unknown_key_lists_the_allowed_keys() -> None:
     [
         ("trainer.lr", "algorithm.lr"),  # the same name in another section
         ("lr", "algorithm.lr"),
-        ("algorithm.kl", "algorithm.kl_coef"),  # the start of a longer name
+        ("algorithm.loss.clip", "algorithm.loss.clip_eps_low"),  # the start of a longer name
         ("rollout.groupsize", "rollout.group_size"),  # a near spelling
     ],
 )
@@ -160,7 +160,7 @@ def test_unknown_key_in_a_file_lists_the_allowed_keys(tmp_path: Path) -> None:
         load_config([path])
     message = str(err.value)
     assert "algorithm.learning_rate" in message and "0.1" in message
-    assert "lr" in message and "kl_coef" in message
+    assert "lr" in message and "off_policy" in message
 
 
 def test_value_out_of_range_names_key_value_and_bound() -> None:
@@ -232,7 +232,7 @@ def test_override_into_a_value_that_is_not_a_section(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["algorithm.lr=1e-5", "model.path=/models/a b", "algorithm.tis_cap=null"]],
+    [[], ["algorithm.lr=1e-5", "model.path=/models/a b", "algorithm.off_policy.tis_cap=null"]],
 )
 def test_dump_yaml_parses_back_to_the_same_config(overrides: list[str]) -> None:
     cfg = load_config(overrides)
@@ -510,17 +510,18 @@ def test_cli_resume_of_a_finished_run_changes_nothing(
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_fills_its_values(name: str) -> None:
     cfg = load_config([f"algorithm.preset={name}"])
-    for key, value in PRESETS[name].items():
-        assert getattr(cfg.algorithm, key) == value, key
+    for section, values in PRESETS[name].items():
+        for key, value in values.items():
+            assert getattr(getattr(cfg.algorithm, section), key) == value, (section, key)
 
 
 def test_explicit_values_override_the_preset(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("algorithm:\n  preset: dapo\n  clip_eps_high: 0.4\n")
-    cfg = load_config([str(path), "algorithm.dynamic_sampling=false"])
-    assert cfg.algorithm.clip_eps_high == 0.4
-    assert cfg.algorithm.dynamic_sampling is False
-    assert cfg.algorithm.overlong_cache == PRESETS["dapo"]["overlong_cache"]
+    path.write_text("algorithm:\n  preset: dapo\n  loss:\n    clip_eps_high: 0.4\n")
+    cfg = load_config([str(path), "algorithm.dynamic_sampling.enabled=false"])
+    assert cfg.algorithm.loss.clip_eps_high == 0.4
+    assert cfg.algorithm.dynamic_sampling.enabled is False
+    assert cfg.algorithm.shaping.overlong_cache == PRESETS["dapo"]["shaping"]["overlong_cache"]
 
 
 def test_default_is_the_grpo_preset() -> None:
@@ -533,8 +534,8 @@ def test_unknown_preset_lists_the_presets() -> None:
 
 
 def test_kl_in_reward_needs_a_kl_coefficient() -> None:
-    with pytest.raises(ConfigError, match="kl_in_reward"):
-        load_config(["algorithm.kl_in_reward=true"])
+    with pytest.raises(ConfigError, match="in_reward=true needs algorithm.kl.coef > 0"):
+        load_config(["algorithm.kl.in_reward=true"])
 
 
 def test_overrides_may_follow_options_on_the_command_line(
@@ -554,3 +555,36 @@ def test_overrides_may_follow_options_on_the_command_line(
     assert refused.value.code == 2 and "unrecognized arguments: --jsn" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a command without overrides takes no extra words
         parse_command_line(["stop", "RUN", "extra"])
+
+
+def test_old_flat_keys_are_accepted_with_a_warning_naming_the_new_key(caplog, tmp_path) -> None:
+    """The config became nested; a key of the flat layout still works for one release."""
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "algorithm:\n  kl_coef: 0.02\n  advantage: rloo\nruntime:\n  roles:\n    rollout:\n      replicas: 2\n"
+    )
+    with caplog.at_level("WARNING", logger="streamrl.config"):
+        cfg = load_config(
+            [str(old), "rollout.vllm_dtype=bfloat16", "algorithm.dynamic_sampling=true"]
+        )
+    assert cfg.algorithm.kl.coef == 0.02
+    assert cfg.algorithm.advantage.estimator == "rloo"
+    assert cfg.runtime.ray.roles.rollout.replicas == 2
+    assert cfg.rollout.vllm.dtype == "bfloat16"
+    assert cfg.algorithm.dynamic_sampling.enabled is True
+    said = caplog.text
+    for old_key, new_key in (
+        ("algorithm.kl_coef", "algorithm.kl.coef"),
+        ("algorithm.advantage", "algorithm.advantage.estimator"),
+        ("runtime.roles", "runtime.ray.roles"),
+        ("rollout.vllm_dtype", "rollout.vllm.dtype"),
+    ):
+        assert f"{old_key!r} is now {new_key!r}" in said
+
+
+def test_a_new_section_is_not_mistaken_for_an_old_key() -> None:
+    cfg = load_config(
+        ["algorithm.advantage.scale=batch", "algorithm.dynamic_sampling.enabled=true"]
+    )
+    assert cfg.algorithm.advantage.scale == "batch" and cfg.algorithm.advantage.estimator == "grpo"
+    assert cfg.algorithm.dynamic_sampling.enabled

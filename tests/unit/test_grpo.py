@@ -34,7 +34,7 @@ def group_advantages(rewards_g: torch.Tensor, std_eps: float = 1e-4) -> torch.Te
 
 
 def test_group_advantages_test_vector() -> None:
-    # shared/ALGORITHMS.md: unbiased std 0.57735, eps 1e-4.
+    # docs/algorithms.md: unbiased std 0.57735, eps 1e-4.
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), std_eps=1e-4)
     expected = 0.5 / (1 / math.sqrt(3) + 1e-4)
     assert expected == pytest.approx(0.86588, abs=1e-5)
@@ -357,7 +357,7 @@ def test_a_step_that_trains_nothing_says_why_once(model_dir: Path, caplog) -> No
     warnings = [r.getMessage() for r in caplog.records if "trained none" in r.getMessage()]
     assert warnings == [
         "step 1 trained none of its 3 samples (dropped: truncated 3); every response reached "
-        "rollout.max_new_tokens under algorithm.mask_truncated: raise the one or turn off the "
+        "rollout.max_new_tokens under algorithm.shaping.mask_truncated: raise the one or turn off the "
         "other. Said once; later such steps show in the metrics only."
     ]
 

@@ -39,13 +39,15 @@ def test_restarted_replica_keeps_its_bundle_and_drained_ones_are_reused():
 
 
 def test_placement_group_and_node_affinity_exclude_each_other():
-    cfg = load_config(["runtime.placement_group.strategy=SPREAD"])
-    assert cfg.runtime.placement_group.strategy == "SPREAD"
-    assert load_config([]).runtime.placement_group.strategy == "none"
+    cfg = load_config(["runtime.ray.placement_group.strategy=SPREAD"])
+    assert cfg.runtime.ray.placement_group.strategy == "SPREAD"
+    assert load_config([]).runtime.ray.placement_group.strategy == "none"
     with pytest.raises(ConfigError, match="exclude each other"):
-        load_config(["runtime.placement_group.strategy=PACK", "runtime.roles.reward.node=1.2.3.4"])
+        load_config(
+            ["runtime.ray.placement_group.strategy=PACK", "runtime.ray.roles.reward.node=1.2.3.4"]
+        )
     with pytest.raises(ConfigError):
-        load_config(["runtime.placement_group.strategy=SCATTER"])
+        load_config(["runtime.ray.placement_group.strategy=SCATTER"])
 
 
 @pytest.mark.parametrize(
@@ -59,20 +61,20 @@ def test_trainer_and_rollout_share_the_local_cores_by_default(cores, trainer, ro
 
 
 def test_ranks_and_replicas_split_their_roles_share():
-    cfg = load_config(["trainer.world_size=2", "runtime.roles.rollout.replicas=3"])
+    cfg = load_config(["trainer.world_size=2", "runtime.ray.roles.rollout.replicas=3"])
     assert role_threads(cfg, "trainer", 16)[0] == 4
     assert role_threads(cfg, "rollout", 16)[0] == 2
     assert role_threads(cfg, "rollout", 4)[0] == 1  # never fewer than one
 
 
 def test_set_threads_then_reserved_cpus_then_one_on_an_existing_cluster():
-    cfg = load_config(["trainer.threads=3", "runtime.roles.rollout.num_cpus=6"])
+    cfg = load_config(["trainer.threads=3", "runtime.ray.roles.rollout.num_cpus=6"])
     assert role_threads(cfg, "trainer", 16) == (3, "trainer.threads")
-    assert role_threads(cfg, "rollout", 16) == (6, "runtime.roles.rollout.num_cpus")
-    cluster = load_config(["runtime.ray_address=10.0.0.1:6379"])
+    assert role_threads(cfg, "rollout", 16) == (6, "runtime.ray.roles.rollout.num_cpus")
+    cluster = load_config(["runtime.ray.address=10.0.0.1:6379"])
     assert role_threads(cluster, "trainer", 16) == (1, "existing cluster")
 
 
 def test_the_local_instance_has_the_configured_cores_or_the_usable_ones():
-    assert local_cores(load_config(["runtime.num_cpus=5"])) == 5
+    assert local_cores(load_config(["runtime.ray.num_cpus=5"])) == 5
     assert 1 <= local_cores(load_config([])) <= (os.cpu_count() or 1)

@@ -287,7 +287,7 @@ def test_an_abort_the_engine_did_not_ask_for_is_an_error(model_dir, prompts, tmp
 
 def test_unreachable_server_is_a_clear_error(tmp_path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(SglangError, match="cannot reach the SGLang server at .*rollout.sglang_url"):
+    with pytest.raises(SglangError, match="cannot reach the SGLang server at .*rollout.sglang.url"):
         SglangEngine(
             "unused", eos_token_id=NO_EOS, settings=SglangSettings(url=url, weights_dir=tmp_path)
         )
@@ -332,10 +332,10 @@ def test_config_selects_and_configures_the_engine(server, model_dir, tmp_path) -
     cfg = load_config(
         [
             "rollout.engine=sglang",
-            f"rollout.sglang_url={server.url}",
+            f"rollout.sglang.url={server.url}",
             "rollout.max_batch_size=3",
-            "rollout.sglang_launch_args=[--tp, '2']",
-            "rollout.sglang_weight_sync=distributed",
+            "rollout.sglang.launch_args=[--tp, '2']",
+            "rollout.sglang.weight_sync=distributed",
         ]
     )
     ctx = RunContext(cfg, model_dir, tmp_path / "run", [], [])

@@ -75,7 +75,9 @@ def test_a_lost_trainer_leaves_the_rows_after_its_checkpoint_for_the_next_one():
 def test_the_bus_grows_by_the_batches_a_checkpoint_may_leave_unacked():
     in_place = load_config(["trainer.checkpoint_every=5"])
     assert held_groups(in_place, groups_per_step=4) == 20
-    every_role = load_config(["trainer.checkpoint_every=5", "runtime.trainer_recovery=restart_all"])
+    every_role = load_config(
+        ["trainer.checkpoint_every=5", "runtime.ray.trainer_recovery=restart_all"]
+    )
     assert held_groups(every_role, groups_per_step=4) == 0
     assert held_groups(load_config(["trainer.checkpoint_every=0"]), groups_per_step=4) == 0
 

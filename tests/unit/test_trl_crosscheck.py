@@ -80,7 +80,7 @@ TRL 1.13 features with no streamrl counterpart (not cross-checked): `loss_type="
 gate) and `"vespo"` (gamma-weighted sequence ratio); `use_bias_correction_kl=True` off-policy
 (KL times a ratio != 1); `off_policy_mask_threshold` (DeepSeek-V3.2 off-policy sequence mask);
 `top_entropy_quantile` (high-entropy token mask); `multi_objective_aggregation=
-"normalize_then_sum"` (GDPO-style); `mask_truncated_completions` (`algorithm.mask_truncated`:
+"normalize_then_sum"` (GDPO-style); `mask_truncated_completions` (`algorithm.shaping.mask_truncated`:
 the trainer leaves the rows out, outside the algorithm library; tested in `test_grpo.py`); `delta` with sequence-level importance sampling (streamrl's GSPO has no dual
 clip); TRL's truncate modes with a lower bound `vllm_importance_sampling_clip_min` (streamrl's TIS
 only caps from above).

@@ -1,6 +1,6 @@
 """Advantage estimators as pure functions of rewards (and values), one per algorithm.
 
-Formulas follow `shared/ALGORITHMS.md`. Inputs are flat: `rewards_b` is one reward per sample
+Formulas follow `docs/algorithms.md`. Inputs are flat: `rewards_b` is one reward per sample
 and `group_b` an integer group index per sample, so groups may have different sizes (samples
 that could not be scored are simply absent). Sequence-level estimators return `[B]`; token-level
 ones (REINFORCE++, GAE) take a right-padded response mask `[B, T]` and return `[B, T]`.

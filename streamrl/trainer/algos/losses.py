@@ -1,6 +1,6 @@
 """Policy losses, KL estimators, off-policy corrections and loss aggregation as pure functions.
 
-Formulas follow `shared/ALGORITHMS.md`. Three log-probs of each response token meet here:
+Formulas follow `docs/algorithms.md`. Three log-probs of each response token meet here:
 
 - `logp` (ℓ): the policy being trained, with its gradient;
 - `prox` (ℓ^prox): the proximal policy the PPO ratio is clipped around. With one optimizer step
