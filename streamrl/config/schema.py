@@ -437,7 +437,7 @@ class TrainerConfig(Section):
     steps, not for the 100-step default job. The trainer's linears then stay PyTorch's own
     (`model.onednn_linears` does not apply to it); a one-process trainer only (world_size=1);
     needs a C++ compiler (without one, or where an op does not compile, it runs eagerly, with a
-    warning). See docs/benchmarks.md."""
+    warning). See docs/benchmarks-log.md."""
 
 
 class RolePlacement(Section):
@@ -570,9 +570,9 @@ class RuntimeConfig(Section):
     mode: Literal["ray", "threads", "inline", "sync"] = "ray"
     """ray: every role its own process on Ray; threads: every role a thread of one process, the
     roles' kernels on different cores at once, no restarts (small models on few cores, where
-    Ray's per-call costs are a large share of a step); inline: every role an asyncio task in one
-    process, one at a time (debugging, tests); sync: generate then train, in turn, in one
-    process (the baseline)."""
+    Ray's per-call costs are a large share of a step); inline: every role takes turns in one
+    thread of one process (debugging, tests); sync: generate then train, in turn, in one process
+    (the baseline)."""
     ray: RayConfig = RayConfig()
     """Ray mode: the cluster, placement, bus shards and supervision."""
     weights: WeightsConfig = WeightsConfig()

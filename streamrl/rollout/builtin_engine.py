@@ -5,7 +5,7 @@ Qwen2, Llama; the built-in tiny model is a Qwen3) with its own forward pass inst
 model's `forward`: fused projections (prepacked for oneDNN on AVX-512 CPUs where MKL, behind
 `F.linear`, runs its AVX2 kernels: about twice the throughput), about twenty tensor ops a layer
 per decode step, no Python work per sequence. On a CPU a small model is bound by exactly those
-costs (`docs/benchmarks.md` has the figures). The file holds the three parts in order:
+costs (`docs/benchmarks-log.md` has the figures). The file holds the three parts in order:
 sampling, the model runner, and the engine with its scheduler.
 
 How a call to `generate` runs:

@@ -249,7 +249,7 @@ def run_ray(
     supervisor: Supervisor | None = None
     # What a (re)started trainer is given, and the weights handle of every other role.
     # Only the feeder reads the training rows; every other role's process gets the context
-    # without them (each copy of a 300,000-row file cost about 0.3 GiB: docs/benchmarks.md).
+    # without them (each copy of a 300,000-row file cost about 0.3 GiB: docs/benchmarks-log.md).
     lean = replace(ctx, train_rows=None)
     trainer_start = {"ctx": lean, "step": start_step, "weights": weights_for_trainer(ctx)}
     subscriber = None
