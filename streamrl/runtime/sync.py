@@ -54,7 +54,9 @@ def run_sync(
     reference = load_policy_model(ctx) if cfg.algorithm.kl.coef > 0 else None
     adv_settings = advantage_settings(cfg)
     reward_norm = (
-        RewardNormaliser(adv_settings.reward_norm_momentum) if adv_settings.reward_norm else None
+        RewardNormaliser(cfg.algorithm.shaping.reward_norm_momentum)
+        if cfg.algorithm.shaping.reward_norm
+        else None
     )
     norm_log = None
     if reward_norm is not None:

@@ -21,7 +21,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 from streamrl.api import fields as F
 from streamrl.bus.batches import BatchCollector
 from streamrl.bus.transform import TransformRole
+from streamrl.config.schema import AdvantageConfig, AlgorithmConfig, KLConfig, ShapingConfig
 from streamrl.trainer.algos import advantages as A
 from streamrl.trainer.algos import shaping
 from streamrl.trainer.algos.losses import kl_estimate
@@ -42,27 +43,45 @@ NORMALISER_FILE = "reward_norm.json"
 
 @dataclass(frozen=True)
 class AdvantageSettings:
-    estimator: str = "grpo"
-    scale: str = "group"
-    std_unbiased: bool = True
-    std_eps: float = 1e-4
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_in_reward_coef: float = 0.0
-    kl_estimator: str = "k1"
-    overlong_cache: int | None = None
-    max_new_tokens: int = 0
+    """What the advantage role reads: the config's `algorithm.advantage`, `algorithm.kl` and
+    `algorithm.shaping` sections as they are, whether dynamic sampling is on, and the longest
+    response (the overlong penalty's end)."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
     dynamic_sampling: bool = False
-    reward_clip: float | None = None
-    reward_norm: bool = False
-    reward_norm_momentum: float = 0.9
+    max_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, max_new_tokens: int) -> AdvantageSettings:
+        return cls(
+            advantage=algorithm.advantage,
+            kl=algorithm.kl,
+            shaping=algorithm.shaping,
+            dynamic_sampling=algorithm.dynamic_sampling.enabled,
+            max_new_tokens=max_new_tokens,
+        )
+
+    @property
+    def estimator(self) -> str:
+        return self.advantage.estimator
+
+    @property
+    def kl_in_reward_coef(self) -> float:
+        """The KL's weight in the reward (0 when the KL is in the loss or off)."""
+        return self.kl.coef if self.kl.in_reward else 0.0
 
     @property
     def whole_batch(self) -> bool:
         """True when the estimator needs statistics over the whole batch."""
-        if self.reward_norm or self.estimator in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        if self.shaping.reward_norm or self.estimator in (
+            "reinforce_pp",
+            "reinforce_pp_baseline",
+            "gae",
+        ):
             return True
-        return self.estimator == "grpo" and self.scale == "batch"
+        return self.estimator == "grpo" and self.advantage.scale == "batch"
 
     def consumes(self) -> tuple[str, ...]:
         fields = [F.REWARD, F.RESPONSE_IDS, F.ROLLOUT_LOGPROBS]
@@ -108,33 +127,37 @@ def advantage_fields(
     width = max(max(lengths), 1)
     mask_bt = _padded([np.ones(n) for n in lengths], width)
     rewards_b = torch.tensor([float(r[F.REWARD]) for r in kept], dtype=torch.float64)
-    if s.overlong_cache is not None:
+    if s.shaping.overlong_cache is not None:
         rewards_b += torch.tensor(
             [
-                shaping.overlong_penalty(n, max_len=s.max_new_tokens, cache_len=s.overlong_cache)
+                shaping.overlong_penalty(
+                    n, max_len=s.max_new_tokens, cache_len=s.shaping.overlong_cache
+                )
                 for n in lengths
             ],
             dtype=torch.float64,
         )
-    rewards_b = shaping.clip_rewards(rewards_b, s.reward_clip)
+    rewards_b = shaping.clip_rewards(rewards_b, s.shaping.reward_clip)
     if normaliser is not None:
         rewards_b = normaliser(rewards_b)
     kl_bt = None
     if s.kl_in_reward_coef > 0:
         behav_bt = _padded([r[F.ROLLOUT_LOGPROBS] for r in kept], width)
         ref_bt = _padded([r[F.REF_LOGPROBS] for r in kept], width)
-        kl_bt = kl_estimate(behav_bt, ref_bt, s.kl_estimator) * mask_bt
+        kl_bt = kl_estimate(behav_bt, ref_bt, s.kl.estimator) * mask_bt
     group_b = torch.tensor(_group_indices(kept))
 
     if s.estimator in TOKEN_LEVEL:
         token_rewards = A.outcome_token_rewards(rewards_b, mask_bt, kl_bt, s.kl_in_reward_coef)
         if s.estimator == "reinforce_pp":
-            adv_bt = A.masked_whiten(A.returns_to_go(token_rewards), mask_bt, s.std_eps)
+            adv_bt = A.masked_whiten(A.returns_to_go(token_rewards), mask_bt, s.advantage.std_eps)
             returns_bt = None
         else:
             values_bt = _padded([r[F.VALUES] for r in kept], width)
-            adv_bt, returns_bt = A.gae(token_rewards, values_bt, mask_bt, gamma=s.gamma, lam=s.lam)
-            adv_bt = A.masked_whiten(adv_bt, mask_bt, s.std_eps)
+            adv_bt, returns_bt = A.gae(
+                token_rewards, values_bt, mask_bt, gamma=s.advantage.gamma, lam=s.advantage.lam
+            )
+            adv_bt = A.masked_whiten(adv_bt, mask_bt, s.advantage.std_eps)
         for i, r in enumerate(kept):
             n = lengths[i]
             update = {F.ADVANTAGES: adv_bt[i, :n].numpy().astype(np.float32)}
@@ -147,12 +170,16 @@ def advantage_fields(
         rewards_b = rewards_b - s.kl_in_reward_coef * kl_bt.sum(-1)
     if s.estimator == "grpo":
         adv_b = A.grpo_advantages(
-            rewards_b, group_b, scale=s.scale, unbiased=s.std_unbiased, eps=s.std_eps
+            rewards_b,
+            group_b,
+            scale=s.advantage.scale,
+            unbiased=s.advantage.std_unbiased,
+            eps=s.advantage.std_eps,
         )
     elif s.estimator == "rloo":
         adv_b = A.rloo_advantages(rewards_b, group_b)
     elif s.estimator == "reinforce_pp_baseline":
-        adv_b = A.reinforce_pp_baseline_advantages(rewards_b, group_b, eps=s.std_eps)
+        adv_b = A.reinforce_pp_baseline_advantages(rewards_b, group_b, eps=s.advantage.std_eps)
     else:
         raise ValueError(f"unknown advantage estimator {s.estimator!r}")
     for r, a in zip(kept, adv_b.tolist(), strict=True):
@@ -237,8 +264,8 @@ class AdvantageRole(TransformRole):
         self.settings = settings
         self.consumes = settings.consumes()
         self.normaliser = (
-            shaping.RewardNormaliser(settings.reward_norm_momentum)
-            if settings.reward_norm
+            shaping.RewardNormaliser(settings.shaping.reward_norm_momentum)
+            if settings.shaping.reward_norm
             else None
         )
         self.normaliser_log = None

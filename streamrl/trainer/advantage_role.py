@@ -16,23 +16,7 @@ if TYPE_CHECKING:
 def advantage_settings(cfg: Config) -> AdvantageSettings:
     from streamrl.trainer.advantage import AdvantageSettings
 
-    a = cfg.algorithm
-    return AdvantageSettings(
-        estimator=a.advantage.estimator,
-        scale=a.advantage.scale,
-        std_unbiased=a.advantage.std_unbiased,
-        std_eps=a.advantage.std_eps,
-        gamma=a.advantage.gamma,
-        lam=a.advantage.lam,
-        kl_in_reward_coef=a.kl.coef if a.kl.in_reward else 0.0,
-        kl_estimator=a.kl.estimator,
-        overlong_cache=a.shaping.overlong_cache,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        dynamic_sampling=a.dynamic_sampling.enabled,
-        reward_clip=a.shaping.reward_clip,
-        reward_norm=a.shaping.reward_norm,
-        reward_norm_momentum=a.shaping.reward_norm_momentum,
-    )
+    return AdvantageSettings.of(cfg.algorithm, cfg.rollout.max_new_tokens)
 
 
 def build(ctx: RunContext, bus, weights, *, start_step: int) -> AdvantageRole:

@@ -133,7 +133,7 @@ class Learner:
             trainer_version=self.version,
         )
         loss_sum.backward()
-        self._normaliser += batch_normaliser(mask_bt, s.loss_agg, s.loss_agg_constant)
+        self._normaliser += batch_normaliser(mask_bt, s.loss.agg, s.agg_constant)
         self._loss_sum += float(loss_sum.detach())
         for key, value in stats.items():
             self._stats[key] = self._stats.get(key, 0.0) + value

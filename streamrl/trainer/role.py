@@ -31,25 +31,7 @@ if TYPE_CHECKING:
 def loss_settings(cfg: Config) -> LossSettings:
     from streamrl.trainer.algos.objective import LossSettings
 
-    a = cfg.algorithm
-    return LossSettings(
-        policy_loss=a.loss.type,
-        clip_eps_low=a.loss.clip_eps_low,
-        clip_eps_high=a.loss.clip_eps_high,
-        dual_clip=a.loss.dual_clip,
-        cispo_max_ratio=a.loss.cispo_max_ratio,
-        kl_coef=a.kl.coef,
-        kl_estimator=a.kl.estimator,
-        kl_in_reward=a.kl.in_reward,
-        entropy_coef=a.loss.entropy_coef,
-        is_mode=a.off_policy.correction,
-        is_level=a.off_policy.level,
-        tis_cap=a.off_policy.tis_cap,
-        mis_band=(a.off_policy.mis_low, a.off_policy.mis_high),
-        loss_agg=a.loss.agg,
-        loss_agg_constant=a.loss.agg_constant or float(cfg.rollout.max_new_tokens),
-        max_token_staleness=a.off_policy.max_token_staleness,
-    )
+    return LossSettings.of(cfg.algorithm, cfg.rollout.max_new_tokens)
 
 
 def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import pytest
 
 from streamrl.api import fields as F
 from streamrl.bus.local import LocalBus
+from streamrl.config.schema import AdvantageConfig, KLConfig, ShapingConfig
 from streamrl.trainer.advantage import AdvantageRole, AdvantageSettings, advantage_fields
 from streamrl.weights.dcs import InProcessWeights
 
@@ -38,7 +39,10 @@ def adv(updates, sample_id):
 
 
 def test_unscored_samples_get_zero_and_stay_out_of_the_baseline() -> None:
-    out = advantage_fields(rows_for({"g": [1.0, None, 0.0]}), AdvantageSettings(estimator="rloo"))
+    out = advantage_fields(
+        rows_for({"g": [1.0, None, 0.0]}),
+        AdvantageSettings(advantage=AdvantageConfig(estimator="rloo")),
+    )
     assert adv(out, "g-s1") == 0.0
     assert adv(out, "g-s0") == pytest.approx(1.0) and adv(out, "g-s2") == pytest.approx(-1.0)
 
@@ -51,23 +55,34 @@ def test_dynamic_sampling_drops_groups_without_signal() -> None:
 
 
 def test_overlong_penalty_breaks_a_tie() -> None:
-    settings = AdvantageSettings(overlong_cache=4, max_new_tokens=8, scale="none")
+    settings = AdvantageSettings(
+        advantage=AdvantageConfig(scale="none"),
+        shaping=ShapingConfig(overlong_cache=4),
+        max_new_tokens=8,
+    )
     out = advantage_fields(rows_for({"g": [1.0, 1.0]}, lengths=[2, 8]), settings)
     assert adv(out, "g-s0") == pytest.approx(0.5) and adv(out, "g-s1") == pytest.approx(-0.5)
 
 
 def test_kl_in_the_reward_is_summed_over_tokens() -> None:
     # k1 per token = -1 - (-1.5) = 0.5; lengths 2 and 4 -> penalties 0.1 * 1.0 and 0.1 * 2.0
-    settings = AdvantageSettings(estimator="rloo", kl_in_reward_coef=0.1, kl_estimator="k1")
+    settings = AdvantageSettings(
+        advantage=AdvantageConfig(estimator="rloo"),
+        kl=KLConfig(coef=0.1, estimator="k1", in_reward=True),
+    )
     out = advantage_fields(rows_for({"g": [1.0, 1.0]}, lengths=[2, 4]), settings)
     assert adv(out, "g-s0") == pytest.approx(0.1) and adv(out, "g-s1") == pytest.approx(-0.1)
 
 
 def test_token_level_estimators_write_one_advantage_per_token() -> None:
     rows = rows_for({"g": [1.0, 0.0]}, lengths=[2, 3])
-    out = advantage_fields(rows, AdvantageSettings(estimator="reinforce_pp"))
+    out = advantage_fields(
+        rows, AdvantageSettings(advantage=AdvantageConfig(estimator="reinforce_pp"))
+    )
     assert [len(adv(out, r["sample_id"])) for r in rows] == [2, 3]
-    out = advantage_fields(rows, AdvantageSettings(estimator="gae", lam=1.0))
+    out = advantage_fields(
+        rows, AdvantageSettings(advantage=AdvantageConfig(estimator="gae", lam=1.0))
+    )
     assert [len(out[r["sample_id"]][F.RETURNS]) for r in rows] == [2, 3]
     np.testing.assert_allclose(out["g-s0"][F.RETURNS], [1.0, 1.0])  # values 0, gamma 1
     np.testing.assert_allclose(out["g-s1"][F.RETURNS], [0.0, 0.0, 0.0])
@@ -75,7 +90,7 @@ def test_token_level_estimators_write_one_advantage_per_token() -> None:
 
 def test_gae_writes_returns_for_every_row_so_the_critic_can_ack_them() -> None:
     rows = rows_for({"g": [1.0, None, 0.0]})
-    out = advantage_fields(rows, AdvantageSettings(estimator="gae"))
+    out = advantage_fields(rows, AdvantageSettings(advantage=AdvantageConfig(estimator="gae")))
     assert all(F.RETURNS in out[r["sample_id"]] for r in rows)
     assert out["g-s1"][F.RETURNS] is None
 
@@ -126,7 +141,7 @@ def make_role(bus: LocalBus, settings: AdvantageSettings) -> AdvantageRole:
 def test_batch_statistics_wait_for_the_whole_batch() -> None:
     """Batch 1 completes before batch 0, in a lease that also holds part of batch 0."""
     bus = make_bus()
-    role = make_role(bus, AdvantageSettings(scale="batch"))
+    role = make_role(bus, AdvantageSettings(advantage=AdvantageConfig(scale="batch")))
     add_scored(bus, {"b0-p0": [1.0, 0.0]}, batch_index=0)
     add_scored(bus, {"b1-p0": [0.0, 1.0], "b1-p1": [1.0, 1.0]}, batch_index=1)
     assert role.step()

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamrl.config.schema import OffPolicyConfig, PolicyLossConfig
 from streamrl.trainer.algos import advantages as A
 from streamrl.trainer.algos import losses as L
 from streamrl.trainer.algos import shaping
@@ -261,7 +262,10 @@ def test_decoupled_ppo_clips_around_the_proximal_policy() -> None:
     logp = torch.tensor([[math.log(0.6)]], requires_grad=True)
     prox = torch.tensor([[math.log(0.4)]])  # ratio 1.5: clipped at 1.2 for A > 0
     behav = torch.tensor([[math.log(0.2)]])  # IS weight prox/behav = 2
-    settings = LossSettings(clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=None)
+    settings = LossSettings(
+        loss=PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2),
+        off_policy=OffPolicyConfig(tis_cap=None),
+    )
     loss, stats = policy_loss_sum(
         logp, behav, torch.tensor([1.0]), torch.ones(1, 1), settings, prox_bt=prox
     )
@@ -289,7 +293,11 @@ AGG_ADV = torch.tensor([1.0, -1.0])
 )
 def test_aggregation_vectors(loss_agg: str, expected: float) -> None:
     logp = torch.zeros(2, 4, requires_grad=True)
-    settings = LossSettings(loss_agg=loss_agg, loss_agg_constant=4.0, tis_cap=None)
+    settings = LossSettings(
+        loss=PolicyLossConfig(agg=loss_agg),
+        off_policy=OffPolicyConfig(tis_cap=None),
+        agg_constant=4.0,
+    )
     loss_sum, _ = policy_loss_sum(logp, logp.detach(), AGG_ADV, AGG_MASK, settings)
     normaliser = L.batch_normaliser(AGG_MASK, loss_agg, constant=4.0)
     assert float(loss_sum) / normaliser == pytest.approx(expected)
@@ -312,7 +320,7 @@ def test_micro_batch_sums_equal_the_full_batch(loss_agg, lengths, seed, data) ->
     logp = -torch.rand(len(lengths), width, generator=gen, dtype=torch.float64) * mask
     behav = logp - 0.3 * torch.rand(len(lengths), width, generator=gen, dtype=torch.float64)
     adv = torch.randn(len(lengths), width, generator=gen, dtype=torch.float64)
-    s = LossSettings(loss_agg=loss_agg, loss_agg_constant=7.0)
+    s = LossSettings(loss=PolicyLossConfig(agg=loss_agg), agg_constant=7.0)
     full, _ = policy_loss_sum(logp, behav, adv, mask, s)
     cuts = sorted(data.draw(st.sets(st.integers(1, len(lengths) - 1), max_size=3)))
     parts, total = 0.0, 0.0

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
+from streamrl.config.schema import PolicyLossConfig
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.algos.objective import LossSettings
@@ -60,7 +61,7 @@ def build_learner(
         weight_decay=0.01,
         grad_clip=None,
         temperature=1.0,
-        settings=LossSettings(loss_agg=LOSS_AGG),
+        settings=LossSettings(loss=PolicyLossConfig(agg=LOSS_AGG)),
     )
     if optimizer == "sgd":  # the update is the normalised gradient itself
         learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1.0)

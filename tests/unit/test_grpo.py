@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl.api import fields as F
+from streamrl.config.schema import KLConfig, OffPolicyConfig, PolicyLossConfig
 from streamrl.models.loading import load_causal_lm
 from streamrl.trainer.algos.advantages import grpo_advantages
 from streamrl.trainer.algos.losses import AGGREGATIONS
@@ -82,7 +83,9 @@ def loss_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
 def test_on_policy_gradient_is_minus_advantage_times_weight(loss_agg: str) -> None:
     logprobs_bt, advantages_b, mask_bt = loss_inputs()
-    settings = LossSettings(tis_cap=None, loss_agg=loss_agg)
+    settings = LossSettings(
+        loss=PolicyLossConfig(agg=loss_agg), off_policy=OffPolicyConfig(tis_cap=None)
+    )
     loss, stats = policy_loss_sum(
         logprobs_bt, logprobs_bt.detach().clone(), advantages_b, mask_bt, settings
     )
@@ -103,7 +106,11 @@ def test_truncated_importance_weight() -> None:
     )
     rollout_bt = logprobs_bt.detach() - torch.log(ratios_bt)
     loss, stats = policy_loss_sum(
-        logprobs_bt, rollout_bt, advantages_b, mask_bt, LossSettings(tis_cap=2.0)
+        logprobs_bt,
+        rollout_bt,
+        advantages_b,
+        mask_bt,
+        LossSettings(off_policy=OffPolicyConfig(tis_cap=2.0)),
     )
     loss.backward()
     weight_bt = ratios_bt.clamp(max=2.0) * mask_bt
@@ -120,7 +127,11 @@ def test_without_a_cap_the_importance_weight_is_not_truncated() -> None:
     logprobs_bt, advantages_b, mask_bt = loss_inputs()
     rollout_bt = logprobs_bt.detach() - math.log(3.0)
     loss, stats = policy_loss_sum(
-        logprobs_bt, rollout_bt, advantages_b, mask_bt, LossSettings(tis_cap=None)
+        logprobs_bt,
+        rollout_bt,
+        advantages_b,
+        mask_bt,
+        LossSettings(off_policy=OffPolicyConfig(tis_cap=None)),
     )
     loss.backward()
     torch.testing.assert_close(logprobs_bt.grad, -3.0 * advantages_b.unsqueeze(-1) * mask_bt)
@@ -130,7 +141,7 @@ def test_without_a_cap_the_importance_weight_is_not_truncated() -> None:
 def test_kl_penalty_uses_the_k3_estimator() -> None:
     logprobs_bt, _, mask_bt = loss_inputs()
     ref_bt = logprobs_bt.detach() + math.log(2.0)  # pi_ref / pi = 2
-    settings = LossSettings(kl_coef=0.5, tis_cap=None)
+    settings = LossSettings(kl=KLConfig(coef=0.5), off_policy=OffPolicyConfig(tis_cap=None))
     loss, stats = policy_loss_sum(
         logprobs_bt, logprobs_bt.detach(), torch.zeros(3), mask_bt, settings, ref_bt=ref_bt
     )
@@ -144,7 +155,11 @@ def test_kl_penalty_needs_reference_logprobs() -> None:
     logprobs_bt, advantages_b, mask_bt = loss_inputs()
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss_sum(
-            logprobs_bt, logprobs_bt.detach(), advantages_b, mask_bt, LossSettings(kl_coef=0.1)
+            logprobs_bt,
+            logprobs_bt.detach(),
+            advantages_b,
+            mask_bt,
+            LossSettings(kl=KLConfig(coef=0.1)),
         )
 
 
@@ -176,7 +191,7 @@ def make_learner(
         weight_decay=0.0,
         grad_clip=None,
         temperature=1.0,
-        settings=LossSettings(loss_agg=loss_agg, loss_agg_constant=CONSTANT),
+        settings=LossSettings(loss=PolicyLossConfig(agg=loss_agg), agg_constant=CONSTANT),
         compile=compile,
         **schedule,
     )
@@ -227,7 +242,7 @@ def skip_zero_advantage(
     """What the trainer role does: leave zero-advantage rows out, keep their normaliser share."""
     kept = [r for r in rows if not is_zero(r["advantages"])]
     skipped = [r for r in rows if is_zero(r["advantages"])]
-    settings = LossSettings(loss_agg=loss_agg, loss_agg_constant=CONSTANT)
+    settings = LossSettings(loss=PolicyLossConfig(agg=loss_agg), agg_constant=CONSTANT)
     share = sum(settings.normaliser_share(len(r["response_ids"])) for r in skipped)
     return kept, share
 

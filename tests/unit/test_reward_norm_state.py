@@ -8,6 +8,7 @@ import torch
 
 from streamrl.api import fields as F
 from streamrl.bus.local import LocalBus
+from streamrl.config.schema import ShapingConfig
 from streamrl.trainer.advantage import AdvantageRole, AdvantageSettings, NormaliserLog
 from streamrl.trainer.algos.shaping import RewardNormaliser
 from streamrl.weights.dcs import InProcessWeights
@@ -47,7 +48,7 @@ def make_role(bus: LocalBus, path, resume_step: int | None = None) -> AdvantageR
     return AdvantageRole(
         bus,
         InProcessWeights(),
-        AdvantageSettings(reward_norm=True, reward_norm_momentum=0.5),
+        AdvantageSettings(shaping=ShapingConfig(reward_norm=True, reward_norm_momentum=0.5)),
         groups_per_batch=2,
         max_staleness=5,
         max_rows=64,

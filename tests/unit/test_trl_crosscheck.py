@@ -103,6 +103,7 @@ from datasets import Dataset  # noqa: E402  (installed with trl)
 from transformers import AutoTokenizer  # noqa: E402
 from trl.experimental.gspo_token import GRPOTrainer as GSPOTokenTrainer  # noqa: E402
 
+from streamrl.config.schema import AlgorithmConfig
 from streamrl.models.tiny import build_tiny_model_dir  # noqa: E402
 from streamrl.trainer.algos.advantages import (  # noqa: E402
     grpo_advantages,
@@ -369,7 +370,7 @@ def streamrl_loss(
         ref_bt=batch["ref"],
         entropy_bt=entropies,
     )
-    loss = loss_sum / batch_normaliser(mask, settings.loss_agg, settings.loss_agg_constant)
+    loss = loss_sum / batch_normaliser(mask, settings.loss.agg, settings.agg_constant)
     wrt = [current, entropies] if wrt_entropy else [current]
     grads = torch.autograd.grad(loss, wrt)
     return loss.detach(), grads[0], grads[1] if wrt_entropy else None
@@ -495,86 +496,86 @@ def test_rloo_normalized_advantages_are_reinforce_pp_baseline(
 
 # (TRL loss_type, TRL importance_sampling_level, extra TRL settings) -> streamrl LossSettings.
 LOSS_CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
-    "grpo": ("grpo", "token", {}, {"loss_agg": "seq_mean_token_mean"}),
+    "grpo": ("grpo", "token", {}, {"loss.agg": "seq_mean_token_mean"}),
     "grpo_clip_higher": (
         "grpo",
         "token",
         {"epsilon_high": 0.28},
-        {"loss_agg": "seq_mean_token_mean", "clip_eps_high": 0.28},
+        {"loss.agg": "seq_mean_token_mean", "loss.clip_eps_high": 0.28},
     ),
-    "bnpo": ("bnpo", "token", {}, {"loss_agg": "token_mean"}),
+    "bnpo": ("bnpo", "token", {}, {"loss.agg": "token_mean"}),
     "dapo": (
         "dapo",
         "token",
         {"epsilon_high": 0.28},
-        {"loss_agg": "token_mean", "clip_eps_high": 0.28},
+        {"loss.agg": "token_mean", "loss.clip_eps_high": 0.28},
     ),
     "dr_grpo": (
         "dr_grpo",
         "token",
         {},
-        {"loss_agg": "constant", "loss_agg_constant": MAX_COMPLETION_LENGTH},
+        {"loss.agg": "constant", "loss.agg_constant": MAX_COMPLETION_LENGTH},
     ),
-    "luspo_token": ("luspo", "token", {}, {"loss_agg": "seq_mean_token_sum"}),
+    "luspo_token": ("luspo", "token", {}, {"loss.agg": "seq_mean_token_sum"}),
     "cispo": (
         "cispo",
         "token",
         {"epsilon_high": 1.25},
-        {"policy_loss": "cispo", "cispo_max_ratio": 1.25, "loss_agg": "token_mean"},
+        {"loss.type": "cispo", "loss.cispo_max_ratio": 1.25, "loss.agg": "token_mean"},
     ),
     "grpo_delta": (
         "grpo",
         "token",
         {"epsilon_high": 0.28, "delta": 1.5},
-        {"loss_agg": "seq_mean_token_mean", "clip_eps_high": 0.28, "dual_clip": 1.5},
+        {"loss.agg": "seq_mean_token_mean", "loss.clip_eps_high": 0.28, "loss.dual_clip": 1.5},
     ),
     "dapo_delta": (
         "dapo",
         "token",
         {"delta": 1.5},
-        {"loss_agg": "token_mean", "dual_clip": 1.5},
+        {"loss.agg": "token_mean", "loss.dual_clip": 1.5},
     ),
-    "gspo": ("grpo", "sequence", {}, {"policy_loss": "gspo", "loss_agg": "seq_mean_token_mean"}),
+    "gspo": ("grpo", "sequence", {}, {"loss.type": "gspo", "loss.agg": "seq_mean_token_mean"}),
     "gspo_clip_higher": (
         "grpo",
         "sequence",
         {"epsilon": 0.1, "epsilon_high": 0.15},
         {
-            "policy_loss": "gspo",
-            "loss_agg": "seq_mean_token_mean",
-            "clip_eps_low": 0.1,
-            "clip_eps_high": 0.15,
+            "loss.type": "gspo",
+            "loss.agg": "seq_mean_token_mean",
+            "loss.clip_eps_low": 0.1,
+            "loss.clip_eps_high": 0.15,
         },
     ),
     "gspo_luspo": (
         "luspo",
         "sequence",
         {},
-        {"policy_loss": "gspo", "loss_agg": "seq_mean_token_sum"},
+        {"loss.type": "gspo", "loss.agg": "seq_mean_token_sum"},
     ),
-    "gspo_bnpo": ("bnpo", "sequence", {}, {"policy_loss": "gspo", "loss_agg": "token_mean"}),
-    "gspo_dapo": ("dapo", "sequence", {}, {"policy_loss": "gspo", "loss_agg": "token_mean"}),
+    "gspo_bnpo": ("bnpo", "sequence", {}, {"loss.type": "gspo", "loss.agg": "token_mean"}),
+    "gspo_dapo": ("dapo", "sequence", {}, {"loss.type": "gspo", "loss.agg": "token_mean"}),
     "gspo_dr_grpo": (
         "dr_grpo",
         "sequence",
         {},
         {
-            "policy_loss": "gspo",
-            "loss_agg": "constant",
-            "loss_agg_constant": MAX_COMPLETION_LENGTH,
+            "loss.type": "gspo",
+            "loss.agg": "constant",
+            "loss.agg_constant": MAX_COMPLETION_LENGTH,
         },
     ),
     "gspo_token": (
         "grpo",
         "sequence_token",
         {},
-        {"policy_loss": "gspo_token", "loss_agg": "seq_mean_token_mean"},
+        {"loss.type": "gspo_token", "loss.agg": "seq_mean_token_mean"},
     ),
     "gspo_token_dapo": (
         "dapo",
         "sequence_token",
         {"epsilon_high": 0.28},
-        {"policy_loss": "gspo_token", "loss_agg": "token_mean", "clip_eps_high": 0.28},
+        {"loss.type": "gspo_token", "loss.agg": "token_mean", "loss.clip_eps_high": 0.28},
     ),
 }
 
@@ -601,16 +602,23 @@ def configure(
     monkeypatch.setattr(trainer, "max_completion_length", MAX_COMPLETION_LENGTH)
 
 
-def settings_for(beta: float, **overrides: Any) -> LossSettings:
-    base: dict[str, Any] = {
-        "policy_loss": "ppo",
-        "clip_eps_low": 0.2,
-        "clip_eps_high": 0.2,
-        "kl_coef": beta,
-        "kl_estimator": "k3",
-        "is_mode": "none",
+def settings_for(beta: float, keys: dict[str, Any] | None = None) -> LossSettings:
+    """The objective's settings from `algorithm` keys (`loss.agg`, `off_policy.tis_cap`, ...) over
+    a PPO-clip base with the KL of `beta`."""
+    values = {
+        "loss.type": "ppo",
+        "loss.clip_eps_low": 0.2,
+        "loss.clip_eps_high": 0.2,
+        "kl.coef": beta,
+        "kl.estimator": "k3",
+        "off_policy.correction": "none",
+        **(keys or {}),
     }
-    return LossSettings(**{**base, **overrides})
+    nested: dict[str, dict[str, Any]] = {}
+    for dotted, value in values.items():
+        section, name = dotted.split(".")
+        nested.setdefault(section, {})[name] = value
+    return LossSettings.of(AlgorithmConfig.model_validate(nested), MAX_COMPLETION_LENGTH)
 
 
 @pytest.mark.parametrize("beta", [0.0, BETA], ids=["beta0", "beta"])
@@ -625,7 +633,7 @@ def test_grpo_family_loss_and_gradient(
     trl_value, trl_grad, _ = trl_loss(
         grpo, monkeypatch, loss_inputs(batch, adv), batch, compute_loss=compute
     )
-    value, grad, _ = streamrl_loss(batch, adv, settings_for(beta, **streamrl_settings))
+    value, grad, _ = streamrl_loss(batch, adv, settings_for(beta, streamrl_settings))
     assert_agree(value, trl_value)
     assert_agree(grad, trl_grad)
     assert trl_grad.abs().max() > 1e-3  # not a vacuous comparison
@@ -642,7 +650,7 @@ def test_per_token_advantages(
     adv = batch["token_advantages"]
     trl_value, trl_grad, _ = trl_loss(grpo, monkeypatch, loss_inputs(batch, adv), batch)
     value, grad, _ = streamrl_loss(
-        batch, adv, settings_for(BETA, loss_agg=loss_agg, clip_eps_high=0.28)
+        batch, adv, settings_for(BETA, {"loss.agg": loss_agg, "loss.clip_eps_high": 0.28})
     )
     assert_agree(value, trl_value)
     assert_agree(grad, trl_grad)
@@ -659,7 +667,7 @@ def test_entropy_bonus_with_token_mean(
     trl_value, trl_grad, trl_dh = trl_loss(
         grpo, monkeypatch, loss_inputs(batch, adv), batch, wrt_entropy=True
     )
-    settings = settings_for(BETA, loss_agg="token_mean", entropy_coef=0.01)
+    settings = settings_for(BETA, {"loss.agg": "token_mean", "loss.entropy_coef": 0.01})
     value, grad, dh = streamrl_loss(batch, adv, settings, wrt_entropy=True)
     assert_agree(value, trl_value)
     assert_agree(grad, trl_grad)
@@ -681,8 +689,8 @@ def test_bias_corrected_kl_on_policy(
     )
     adv = batch["advantages"]
     trl_value, trl_grad, _ = trl_loss(grpo, monkeypatch, loss_inputs(on_policy, adv), on_policy)
-    k3_value, k3_grad, _ = streamrl_loss(on_policy, adv, settings_for(BETA, loss_agg=loss_agg))
-    k2_settings = settings_for(BETA, loss_agg=loss_agg, kl_estimator="k2")
+    k3_value, k3_grad, _ = streamrl_loss(on_policy, adv, settings_for(BETA, {"loss.agg": loss_agg}))
+    k2_settings = settings_for(BETA, {"loss.agg": loss_agg, "kl.estimator": "k2"})
     _, k2_grad, _ = streamrl_loss(on_policy, adv, k2_settings)
     assert_agree(k3_value, trl_value)
     assert_agree(k2_grad, trl_grad)
@@ -694,19 +702,24 @@ def test_bias_corrected_kl_on_policy(
 IS_CASES = {
     "token_truncate": (
         {"vllm_importance_sampling_clip_max": 1.3},
-        {"is_mode": "tis", "tis_cap": 1.3},
+        {"off_policy.correction": "tis", "off_policy.tis_cap": 1.3},
     ),
     "token_mask": (
         {"vllm_importance_sampling_clip_min": 0.6, "vllm_importance_sampling_clip_max": 1.5},
-        {"is_mode": "mis", "mis_band": (0.6, 1.5)},
+        {"off_policy.correction": "mis", "off_policy.mis_low": 0.6, "off_policy.mis_high": 1.5},
     ),
     "sequence_truncate": (
         {"vllm_importance_sampling_clip_max": 1.3},
-        {"is_mode": "tis", "is_level": "sequence", "tis_cap": 1.3},
+        {"off_policy.correction": "tis", "off_policy.level": "sequence", "off_policy.tis_cap": 1.3},
     ),
     "sequence_mask": (
         {"vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 2.0},
-        {"is_mode": "mis", "is_level": "sequence", "mis_band": (0.5, 2.0)},
+        {
+            "off_policy.correction": "mis",
+            "off_policy.level": "sequence",
+            "off_policy.mis_low": 0.5,
+            "off_policy.mis_high": 2.0,
+        },
     ),
 }
 
@@ -740,7 +753,7 @@ def test_end_to_end_with_importance_sampling(
 
     adv = streamrl_grpo_advantages(batch["rewards"], batch["group"], "group")
     assert_agree(inputs["advantages"], adv)
-    settings = settings_for(BETA, loss_agg=loss_agg, clip_eps_high=0.28, **streamrl_is)
+    settings = settings_for(BETA, {"loss.agg": loss_agg, "loss.clip_eps_high": 0.28, **streamrl_is})
     value, grad, _ = streamrl_loss(batch, adv, settings, behav=batch["behav"])
     assert_agree(value, trl_value)
     assert_agree(grad, trl_grad)
@@ -769,7 +782,7 @@ def test_rloo_gradient_at_ratio_one(
         "advantages": adv,
     }
     trl_value, trl_grad, _ = trl_loss(rloo, monkeypatch, inputs, on_policy)
-    settings = settings_for(0.0, loss_agg="seq_mean_token_sum", clip_eps_high=0.28)
+    settings = settings_for(0.0, {"loss.agg": "seq_mean_token_sum", "loss.clip_eps_high": 0.28})
     value, grad, _ = streamrl_loss(on_policy, adv, settings)
     assert_agree(grad, trl_grad)
     assert_agree(trl_value, -adv.mean())

@@ -7,47 +7,45 @@ normaliser share and divides once per optimizer step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from streamrl.config.schema import AlgorithmConfig, KLConfig, OffPolicyConfig, PolicyLossConfig
 from streamrl.trainer.algos import losses as L
-
-POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo")
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    policy_loss: str = "ppo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    dual_clip: float | None = None
-    cispo_max_ratio: float = 5.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    is_mode: str = "tis"
-    is_level: str = "token"
-    tis_cap: float | None = 2.0
-    mis_band: tuple[float, float] = (0.5, 2.0)
-    loss_agg: str = "token_mean"
-    loss_agg_constant: float = 1.0
-    max_token_staleness: int | None = None
+    """What the objective reads: the config's `algorithm.loss`, `algorithm.kl` and
+    `algorithm.off_policy` sections as they are, and the aggregation constant resolved."""
 
-    def __post_init__(self) -> None:
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"unknown policy_loss {self.policy_loss!r}; use one of {', '.join(POLICY_LOSSES)}"
-            )
-        L.aggregation_weights(torch.zeros(1, 1), self.loss_agg)  # validates the name
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    agg_constant: float = 1.0
+    """Normaliser per sequence of `loss.agg=constant` (`loss.agg_constant`, else the longest
+    response)."""
+
+    @classmethod
+    def of(cls, algorithm: AlgorithmConfig, max_new_tokens: int) -> LossSettings:
+        return cls(
+            loss=algorithm.loss,
+            kl=algorithm.kl,
+            off_policy=algorithm.off_policy,
+            agg_constant=algorithm.loss.agg_constant or float(max_new_tokens),
+        )
 
     @property
     def kl_in_loss(self) -> bool:
-        return self.kl_coef > 0 and not self.kl_in_reward
+        return self.kl.coef > 0 and not self.kl.in_reward
+
+    @property
+    def entropy_coef(self) -> float:
+        return self.loss.entropy_coef
 
     def normaliser_share(self, num_tokens: float) -> float:
-        return L.normaliser_share(num_tokens, self.loss_agg, self.loss_agg_constant)
+        return L.normaliser_share(num_tokens, self.loss.agg, self.agg_constant)
 
 
 def policy_loss_sum(
@@ -68,32 +66,38 @@ def policy_loss_sum(
     `advantages` is `[B]` (one per sequence) or `[B, T]` (per token). `prox_bt` None means the
     current policy with its gradient stopped (one optimizer step per batch).
     """
-    s = settings
+    s, o = settings, settings.off_policy
     prox_bt = logp_bt.detach() if prox_bt is None else prox_bt
     adv_bt = advantages.unsqueeze(-1).expand_as(logp_bt) if advantages.dim() == 1 else advantages
     log_ratio = logp_bt - prox_bt
-    if s.policy_loss == "ppo":
+    if s.loss.type == "ppo":
         per_token = L.ppo_clip_loss(
             log_ratio,
             adv_bt,
-            eps_low=s.clip_eps_low,
-            eps_high=s.clip_eps_high,
-            dual_clip=s.dual_clip,
+            eps_low=s.loss.clip_eps_low,
+            eps_high=s.loss.clip_eps_high,
+            dual_clip=s.loss.dual_clip,
         )
-    elif s.policy_loss in ("gspo", "gspo_token"):
+    elif s.loss.type in ("gspo", "gspo_token"):
         per_token = L.gspo_loss(
             log_ratio,
             adv_bt,
             mask_bt,
-            eps_low=s.clip_eps_low,
-            eps_high=s.clip_eps_high,
-            token_level=s.policy_loss == "gspo_token",
+            eps_low=s.loss.clip_eps_low,
+            eps_high=s.loss.clip_eps_high,
+            token_level=s.loss.type == "gspo_token",
         )
     else:
-        per_token = L.cispo_loss(logp_bt, prox_bt, adv_bt, max_ratio=s.cispo_max_ratio)
+        per_token = L.cispo_loss(logp_bt, prox_bt, adv_bt, max_ratio=s.loss.cispo_max_ratio)
 
     weight_bt, raw_w = L.importance_weights(
-        prox_bt, behav_bt, mask_bt, mode=s.is_mode, level=s.is_level, cap=s.tis_cap, band=s.mis_band
+        prox_bt,
+        behav_bt,
+        mask_bt,
+        mode=o.correction,
+        level=o.level,
+        cap=o.tis_cap,
+        band=(o.mis_low, o.mis_high),
     )
     per_token = per_token * weight_bt
 
@@ -101,27 +105,27 @@ def policy_loss_sum(
     if s.kl_in_loss:
         if ref_bt is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (is the reference role running?)")
-        kl_bt = L.kl_estimate(logp_bt, ref_bt, s.kl_estimator)
-        per_token = per_token + s.kl_coef * kl_bt
+        kl_bt = L.kl_estimate(logp_bt, ref_bt, s.kl.estimator)
+        per_token = per_token + s.kl.coef * kl_bt
     if s.entropy_coef and entropy_bt is not None:
         per_token = per_token - s.entropy_coef * entropy_bt
 
     loss_mask = mask_bt
-    if s.max_token_staleness is not None and versions_bt is not None:
+    if o.max_token_staleness is not None and versions_bt is not None:
         loss_mask = L.staleness_mask(
             versions_bt,
             mask_bt,
             trainer_version=trainer_version,
-            max_staleness=s.max_token_staleness,
+            max_staleness=o.max_token_staleness,
         )
-    loss_sum = (per_token * L.aggregation_weights(mask_bt, s.loss_agg) * loss_mask).sum()
+    loss_sum = (per_token * L.aggregation_weights(mask_bt, s.loss.agg) * loss_mask).sum()
 
     def total(x_bt: torch.Tensor) -> float:
         return float((x_bt.detach() * mask_bt).sum())
 
     clipped = (log_ratio.detach().abs() > 0) & (
-        (log_ratio.detach() > torch.log1p(torch.tensor(s.clip_eps_high)))
-        | (log_ratio.detach() < torch.log1p(torch.tensor(-min(s.clip_eps_low, 0.999999))))
+        (log_ratio.detach() > torch.log1p(torch.tensor(s.loss.clip_eps_high)))
+        | (log_ratio.detach() < torch.log1p(torch.tensor(-min(s.loss.clip_eps_low, 0.999999))))
     )
     stats = {
         "is_weight_mean": total(weight_bt),
