@@ -14,10 +14,11 @@ from streamrl.config.presets import apply_preset
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, values are checked on assignment."""
+    """Base for every config section: unknown keys are errors, values are checked on assignment,
+    and no number may be NaN or infinite (a NaN learning rate or timeout is never meant)."""
 
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
     )
 
 

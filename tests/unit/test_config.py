@@ -588,3 +588,19 @@ def test_a_new_section_is_not_mistaken_for_an_old_key() -> None:
     )
     assert cfg.algorithm.advantage.scale == "batch" and cfg.algorithm.advantage.estimator == "grpo"
     assert cfg.algorithm.dynamic_sampling.enabled
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "algorithm.lr=nan",
+        "algorithm.off_policy.tis_cap=.inf",
+        "algorithm.grad_clip=nan",
+        "reward.timeout_s=inf",
+        "reward.invalid_output_penalty=-.inf",
+        "runtime.lease_s=inf",
+    ],
+)
+def test_no_number_may_be_nan_or_infinite(override: str) -> None:
+    with pytest.raises(ConfigError, match="finite number"):
+        load_config([override])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -118,3 +120,15 @@ def test_resuming_past_every_saved_batch_restores_the_latest(tmp_path) -> None:
     restored = RewardNormaliser(0.5)
     NormaliserLog(restored, tmp_path / "n.json", keep_batches=1).restore(9)
     assert restored.state_dict() == norm.state_dict()
+
+
+def test_a_nan_reward_leaves_the_normaliser_state_finite() -> None:
+    """One NaN reward (from a broken reward function) must not poison the moving statistics,
+    which are checkpointed: every later step would be skipped."""
+    norm = RewardNormaliser(momentum=0.5)
+    norm(torch.tensor([0.0, 1.0], dtype=torch.float64))
+    out = norm(torch.tensor([1.0, float("nan"), float("inf"), 0.0], dtype=torch.float64))
+    assert all(math.isfinite(v) for v in norm.state_dict().values())
+    assert math.isfinite(float(out[0])) and math.isfinite(float(out[3]))
+    norm(torch.tensor([float("nan")], dtype=torch.float64))  # nothing finite: no update
+    assert all(math.isfinite(v) for v in norm.state_dict().values())

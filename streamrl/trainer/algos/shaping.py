@@ -51,6 +51,11 @@ class RewardNormaliser:
         self.count = 0
 
     def update(self, rewards_b: torch.Tensor) -> None:
+        """Fold a batch into the statistics. Non-finite rewards are left out: one NaN would
+        otherwise set the state to NaN for good (it is checkpointed), and skip every later step."""
+        rewards_b = rewards_b[torch.isfinite(rewards_b)]
+        if len(rewards_b) == 0:
+            return
         batch_mean = float(rewards_b.mean())
         batch_var = float(rewards_b.var(unbiased=False)) if len(rewards_b) > 1 else 0.0
         if self.count == 0:
