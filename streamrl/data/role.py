@@ -13,7 +13,6 @@ from typing import Any
 
 from streamrl.api.role import RoleBase
 from streamrl.api.run import RunContext
-from streamrl.api.weights import wait_newer
 from streamrl.config.derived import batches_per_step, in_place_recovery, prompts_per_batch
 from streamrl.data.feeder import PromptFeeder
 from streamrl.models.loading import load_tokenizer
@@ -94,7 +93,7 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> FeederRole:
         end_batch=cfg.trainer.steps,
         reserve_groups=(batches_per_step(cfg) - 1) * prompts_per_batch(cfg),
         newest_batch=feeder_bound(cfg, weights, start_step),
-        wait_for_batch=lambda batch, wait_s: wait_newer(
-            weights, batch - cfg.rollout.max_staleness - 1, wait_s
+        wait_for_batch=lambda batch, wait_s: weights.wait_newer(
+            batch - cfg.rollout.max_staleness - 1, wait_s
         ),
     )

@@ -79,7 +79,7 @@ class LogpRole(ReferenceRole):
             params = dict(self.model.named_parameters())
             with torch.no_grad():
                 for name, value in tensors.items():
-                    params[name].copy_(torch.as_tensor(np.array(value)))  # a writable copy
+                    params[name].copy_(torch.as_tensor(value))  # copied: any dtype, bf16 too
             self.version = version
 
     def compute(self, rows):

@@ -4,8 +4,8 @@ Admission control is the staleness dial: a row of batch b may be generated only 
 holds policy version >= b - max_staleness. Finished samples are written as soon as the engine
 reports them (streaming), with per-token log-probs and policy versions. Weights are pulled from
 the weight-sync service before each batch and, when enabled, between decode steps (in flight).
-Where the weight service can block until a publish (`wait_newer`, Ray mode), a thread watches
-for publishes, so the decode loop asks for weights only when there are new ones instead of
+Where the runtime lets calls block (threads and Ray modes), a thread watches for publishes
+(`wait_newer`), so the decode loop asks for weights only when there are new ones instead of
 making a round trip every `inflight_poll_s`.
 """
 
@@ -21,7 +21,6 @@ import numpy as np
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.role import RoleBase
-from streamrl.api.weights import wait_newer
 
 CONSUMER = "rollout"
 
@@ -126,7 +125,6 @@ class RolloutRole(RoleBase):
             self._watcher is None
             and self.inflight_updates
             and self.long_poll_s > 0  # a runtime where blocking calls are fine
-            and callable(getattr(self.weights, "wait_newer", None))
         ):
             self._watcher = PublishWatcher(self.weights, self.engine.version)
 
@@ -156,7 +154,7 @@ class RolloutRole(RoleBase):
         if lease is None:
             # Nothing admissible: the next batch waits for newer weights (admission control),
             # so wait for a publish inside the weight service rather than polling for it.
-            wait_newer(self.weights, self.engine.version, self.long_poll_s)
+            self.weights.wait_newer(self.engine.version, self.long_poll_s)
             self.wait_s += time.perf_counter() - claim_started
             return False
         start = time.perf_counter()

@@ -18,7 +18,7 @@ from streamrl.bus.local import LocalBus
 from streamrl.config.derived import bus_capacity_groups
 from streamrl.runtime.driver import drive
 from streamrl.runtime.roles import RoleLoop, build_role
-from streamrl.weights.dcs import InProcessWeights
+from streamrl.weights.channels import publisher_for
 
 
 class InlineDeployment:
@@ -56,7 +56,7 @@ def run_inline(
     bus = LocalBus(capacity_groups=bus_capacity_groups(ctx.cfg))
     for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
-    weights = InProcessWeights()
+    weights = publisher_for(ctx.cfg)  # in-process: one store, both sides
     names = [spec.name for spec in run_roles(ctx.cfg)]
     trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)
     others = {

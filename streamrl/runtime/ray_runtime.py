@@ -46,6 +46,12 @@ from streamrl.runtime.recovery import settle_trainer_rows
 from streamrl.runtime.roles import base_role, loop_role
 from streamrl.runtime.supervisor import Supervisor
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
+from streamrl.weights.channels import (
+    publisher_for,
+    publisher_info,
+    restarted_publisher,
+    subscriber_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +124,7 @@ class RoleActor:
             "node_id": context.get_node_id(),
             "placement_group": context.get_placement_group_id(),
         }
-        address = getattr(self.weights, "address", None)  # the trainer's tcp weight server
-        if address is not None:
-            info["weights_port"] = address[1]
+        info.update(publisher_info(self.weights))  # the trainer's tcp weight server's port
         return info
 
     def ping(self) -> bool:
@@ -251,7 +255,7 @@ def run_ray(
     # Only the feeder reads the training rows; every other role's process gets the context
     # without them (each copy of a 300,000-row file cost about 0.3 GiB: docs/benchmarks-log.md).
     lean = replace(ctx, train_rows=None)
-    trainer_start = {"ctx": lean, "step": start_step, "weights": weights_for_trainer(ctx)}
+    trainer_start = {"ctx": lean, "step": start_step, "weights": publisher_for(ctx.cfg)}
     subscriber = None
 
     def make_actor(name: str):
@@ -302,13 +306,11 @@ def run_ray(
         if rt.weights.channel == "tcp":
             supervisor.start(["trainer"], run=False)
             info = supervisor.info["trainer"]
-            subscriber = weights_for_engines(ctx, trainer_start["weights"], info)
-            trainer_start["weights"] = weights_for_restarted_trainer(
-                ctx, trainer_start["weights"], info
-            )
+            subscriber = subscriber_for(ctx.cfg, trainer_start["weights"], info)
+            trainer_start["weights"] = restarted_publisher(ctx.cfg, trainer_start["weights"], info)
             supervisor.start(others)
         else:
-            subscriber = weights_for_engines(ctx, trainer_start["weights"], {})
+            subscriber = subscriber_for(ctx.cfg, trainer_start["weights"], {})
             supervisor.start(names, run=False)
             supervisor.run(others)
         supervisor.run(["trainer"])
@@ -330,37 +332,6 @@ def run_ray(
     return stats
 
 
-def weights_for_trainer(ctx: RunContext):
-    """The weight-sync handle the trainer publishes to (`runtime.weights.channel`)."""
-    rt = ctx.cfg.runtime
-    if rt.weights.channel == "tcp":
-        from streamrl.weights.remote import TcpPublisher, resolve_token
-
-        return TcpPublisher(rt.weights.bind, rt.weights.port, resolve_token(rt.weights.token))
-    if rt.weights.channel == "collective":
-        from streamrl.weights.collective_channel import CollectivePublisher, GroupDirectory
-
-        return CollectivePublisher(
-            GroupDirectory.create(),
-            rt.weights.bind,
-            rt.weights.port,
-            backend=rt.weights.collective_backend,
-        )
-    from streamrl.weights.dcs import RayWeights
-
-    return RayWeights.create()
-
-
-def weights_for_restarted_trainer(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
-    """The handle a trainer restarted in place publishes to: the same, except that a tcp weight
-    server binds the port the first one got, where the engines' subscribers reconnect."""
-    if ctx.cfg.runtime.weights.channel != "tcp":
-        return publisher
-    from streamrl.weights.remote import TcpPublisher
-
-    return TcpPublisher(publisher.host, trainer_info["weights_port"], publisher.token)
-
-
 def _trainer_step(supervisor: Supervisor | None, default: int) -> int:
     """The trainer's step, where a (re)started feeder continues (re-adding a live batch is a
     no-op); `default` while there is no live trainer to ask."""
@@ -370,22 +341,6 @@ def _trainer_step(supervisor: Supervisor | None, default: int) -> int:
         return ray.get(supervisor.actors["trainer"].stats.remote(), timeout=30)["step"]
     except (RayActorError, ray.exceptions.GetTimeoutError):
         return default
-
-
-def weights_for_engines(ctx: RunContext, publisher, trainer_info: dict[str, Any]):
-    """The handle the other roles read weights from: the publisher itself for the object-store
-    channel, a client of the trainer's weight server for tcp, a group member for collective."""
-    if ctx.cfg.runtime.weights.channel == "collective":
-        from streamrl.weights.collective_channel import CollectiveSubscriber
-
-        return CollectiveSubscriber(publisher.directory)
-    if ctx.cfg.runtime.weights.channel != "tcp":
-        return publisher
-    from streamrl.weights.remote import TcpSubscriber
-    from streamrl.weights.tcp import is_loopback
-
-    host = "127.0.0.1" if is_loopback(publisher.host) else trainer_info["node"]
-    return TcpSubscriber(host, trainer_info["weights_port"], publisher.token)
 
 
 class RayDeployment:

@@ -32,7 +32,7 @@ from streamrl.models.loading import set_threads
 from streamrl.runtime.driver import drive
 from streamrl.runtime.errors import RoleFailed, one_line
 from streamrl.runtime.roles import RoleLoop, build_role, loop_role
-from streamrl.weights.dcs import InProcessWeights
+from streamrl.weights.channels import publisher_for
 
 
 class RoleThread:
@@ -99,7 +99,7 @@ def run_threads(
     bus = LocalBus(capacity_groups=bus_capacity_groups(ctx.cfg))
     for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
-    weights = InProcessWeights()
+    weights = publisher_for(ctx.cfg)  # in-process: one store, both sides
 
     def build(name: str) -> Role:
         return build_role(

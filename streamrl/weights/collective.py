@@ -132,11 +132,11 @@ class _Staging:
 class CollectiveWeightSender:
     """Rank 0 of the weight-sync group, in the trainer's rank-0 process.
 
-    `publish` is the WeightService call; the held version lives with the receivers, so this side
-    keeps only the version number. A tensor of at least `alone_bytes` is broadcast straight from
-    its own memory (when contiguous and on the group's device); smaller ones are packed into
-    buckets of up to `bucket_bytes`, copied into `max_in_flight` reused staging buffers, the
-    next one filled while the previous one is on the wire.
+    `publish` is the `WeightPublisher` call; the held version lives with the receivers, so this
+    side keeps only the version number. A tensor of at least `alone_bytes` is broadcast straight
+    from its own memory (when contiguous and on the group's device); smaller ones are packed
+    into buckets of up to `bucket_bytes`, copied into `max_in_flight` reused staging buffers,
+    the next one filled while the previous one is on the wire.
     """
 
     def __init__(
@@ -223,7 +223,7 @@ class CollectiveWeightReceiver:
     """An engine's end of the weight-sync group (rank >= 1).
 
     Either call `receive()` in step with the sender's `publish`, or `start()` a background thread
-    that receives every version and use the WeightService calls `latest_version` and
+    that receives every version and use the subscriber calls `latest_version` and
     `fetch_newer`, which then never block on the network.
     """
 

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from streamrl.weights.dcs import RayWeights, _WeightStoreActor, to_buckets
+from streamrl.api.weights import poll_newer
+from streamrl.weights.dcs import Bucket, RayStoreClient, _WeightStoreActor, to_buckets
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ RETRY_S = 4.0  # after a group failed to form, doubling up to RETRY_MAX_S
 RETRY_MAX_S = 120.0
 TIMEOUT_S = 30.0  # joining a group, and each broadcast
 GRACE_S = 30.0
+POLL_S = 0.05  # how often a member's `wait_newer` looks for a version that came over its group
 PORTS_PER_RANGE = 16
 
 
@@ -73,7 +75,7 @@ class _DirectoryActor(_WeightStoreActor):
         self.record: dict[str, Any] | None = None
         self.num_epochs = 0
 
-    def set_tagged(self, version: int, buckets: list[dict[str, Any]], epoch: int | None) -> bool:
+    def set_tagged(self, version: int, buckets: list[Bucket], epoch: int | None) -> bool:
         """Hold `version` if newer than the held one; False (nothing done) otherwise."""
         if not self._hold(version, buckets):
             return False
@@ -110,12 +112,10 @@ class _DirectoryActor(_WeightStoreActor):
         self.record = record
 
 
-class GroupDirectory(RayWeights):
-    """Client of the directory actor; picklable (holds only the actor handle)."""
-
-    # Engines poll the directory (`api.weights.wait_newer` returns at once): a version held here
-    # may still be on its way over the group, so a wake-up at its publish would come too early.
-    wait_newer = None
+class GroupDirectory(RayStoreClient):
+    """Client of the directory actor; picklable (holds only the actor handle). Its
+    `wait_newer` wakes at the host copy's write: right for an engine that takes the host copy,
+    too early for a member of the group the version goes over (`CollectiveSubscriber`)."""
 
     @classmethod
     def create(cls, bucket_bytes: int = 64 * 2**20) -> GroupDirectory:
@@ -163,8 +163,12 @@ class CollectivePublisher:
     def latest_version(self) -> int:
         return self.directory.latest_version()
 
-    def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
-        return self.directory.fetch_newer(have_version)
+    def close(self) -> None:
+        """End this process's group (its receivers leave), as the trainer's exit does; the host
+        copy stays in the directory. Publishing again starts a new group."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_sender": None}
@@ -228,6 +232,16 @@ class _GroupSender:
             self.group = None
             self._retry_at = time.monotonic() + MEMBER_TIMEOUT_S + 2 * HEARTBEAT_S
             _close_in_background(group)
+
+    def close(self) -> None:
+        """Close the live group and the one being formed (waiting for it to form or fail)."""
+        if self._forming is not None:
+            self._forming.join()
+            self._forming = None
+        for group in (self.group, self._formed):
+            if group is not None:
+                _close(group)
+        self.group = self._formed = None
 
     def _current(self) -> _Epoch | None:
         """The live group; starts forming a new one when the members changed."""
@@ -325,30 +339,53 @@ def _close_in_background(group: _Epoch) -> None:
 
 
 class CollectiveSubscriber:
-    """An engine's handle: the newest version from its group, else from the host copy."""
+    """An engine's handle: the newest version from its group, else from the host copy.
+
+    It joins groups from its first `fetch_newer` on; a role that only follows versions (the
+    feeder) never does, and waits inside the directory. A member's `wait_newer` polls the
+    directory every POLL_S instead: a version held there may still be on its way over the group.
+    """
 
     def __init__(self, directory: GroupDirectory, timeout_s: float = TIMEOUT_S):
         self.directory, self.timeout_s = directory, timeout_s
         self._member: _Member | None = None
 
-    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        raise RuntimeError("only the trainer publishes weights (this role holds a subscriber)")
-
     def latest_version(self) -> int:
         return self.directory.latest_version()
 
     def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
-        if self._member is None:  # joins groups from now on (roles that only ask versions don't)
+        if self._member is None:
             self._member = _Member(self.directory, self.timeout_s)
         latest, epoch = self.directory.call("state")
         if latest <= have_version:
             return None
         got = self._member.newest
-        if got is not None and got[0] > have_version:
+        if got is not None and got[0] >= latest:
             return got
-        if epoch is not None and epoch == self._member.epoch and not self._member.overdue(latest):
-            return None  # on its way over the group
+        if self._on_its_way(latest, epoch):
+            return None  # the newest comes over the group any moment: not an older one now
         return self.directory.fetch_newer(have_version)
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        if self._member is None:
+            return self.directory.wait_newer(have_version, timeout_s)
+
+        def newest() -> int:  # what `fetch_newer` would return now
+            latest, epoch = self.directory.call("state")
+            got = self._member.newest
+            if got is not None and got[0] >= latest:
+                return got[0]
+            if self._on_its_way(latest, epoch):
+                return min(latest, have_version)
+            return latest
+
+        return poll_newer(newest, have_version, timeout_s, POLL_S)
+
+    def _on_its_way(self, latest: int, epoch: int | None) -> bool:
+        """True while `latest`, tagged with `epoch`, is due over this member's group."""
+        return (
+            epoch is not None and epoch == self._member.epoch and not self._member.overdue(latest)
+        )
 
     @property
     def epoch(self) -> int | None:
@@ -385,6 +422,8 @@ class _Member:
         while True:
             try:
                 record = self.directory.call("heartbeat", self.id, self.node)
+            except SystemExit:  # Ray shutting down this process under a pending call
+                return
             except Exception as e:  # noqa: BLE001 - the directory is gone: the run is ending
                 log.info("weight directory gone (%s): no more heartbeats", e)
                 return

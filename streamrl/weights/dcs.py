@@ -1,14 +1,20 @@
-"""Weight-sync services: in-process (inline and sync modes) and through Ray's object store.
+"""Weight channels that share one store between the trainer and the engines: in-process (inline,
+threads and sync modes) and Ray's object store (`runtime.weights.channel=object_store`). Each
+class is both a `WeightPublisher` and a `WeightSubscriber` (`api/weights.py`).
 
-Tensors are published in size-bounded buckets. In the Ray service the actor puts each bucket
-into the object store itself (so the objects outlive the trainer process) and keeps only the
-references; an engine that asks for a newer version gets the references and reads the buckets
-straight from the object store.
+The Ray store publishes in size-bounded buckets. The actor puts each bucket into the object store
+itself (so the objects outlive the trainer process) and keeps only the references; an engine
+that asks for a newer version gets the references and reads the buckets straight from the
+object store. A bucket is a JSON header (each tensor's name, dtype and shape) and each tensor's
+raw bytes as a flat uint8 array: every dtype (bf16 too) travels bit for bit, and no tensor is
+pickled. Torch is imported only to publish and to fetch tensors: the feeder, which only follows
+versions, never imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Mapping
@@ -16,26 +22,59 @@ from typing import Any
 
 import numpy as np
 
+Bucket = tuple[str, list[np.ndarray]]  # JSON [[name, dtype, shape], ...], raw bytes of each
 
-def to_buckets(named_tensors: Mapping[str, Any], bucket_bytes: int) -> list[dict[str, np.ndarray]]:
-    """Split tensors into dicts of numpy arrays of about `bucket_bytes` each (order kept)."""
-    buckets: list[dict[str, np.ndarray]] = [{}]
+
+def to_buckets(named_tensors: Mapping[str, Any], bucket_bytes: int) -> list[Bucket]:
+    """Split tensors (or arrays) into buckets of about `bucket_bytes` each, order kept. A
+    contiguous CPU tensor's bytes are not copied here."""
+    import torch
+
+    from streamrl.weights.layout import dtype_name
+
+    buckets: list[tuple[list[list[Any]], list[np.ndarray]]] = [([], [])]
     size = 0
-    for name, tensor in named_tensors.items():
-        array = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
-        if size and size + array.nbytes > bucket_bytes:
-            buckets.append({})
+    for name, value in named_tensors.items():
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+        else:
+            tensor = torch.from_numpy(np.ascontiguousarray(value))
+        raw = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if size and size + raw.nbytes > bucket_bytes:
+            buckets.append(([], []))
             size = 0
-        buckets[-1][name] = array
-        size += array.nbytes
-    return buckets
+        specs, arrays = buckets[-1]
+        specs.append([name, dtype_name(tensor.dtype), list(tensor.shape)])
+        arrays.append(raw)
+        size += raw.nbytes
+    return [(json.dumps(specs), arrays) for specs, arrays in buckets]
+
+
+def from_buckets(buckets: list[Bucket]) -> dict[str, Any]:
+    """The tensors of `to_buckets`' buckets, in order: fresh writable copies (the arrays Ray
+    returns are read-only views into the object store)."""
+    import torch
+
+    from streamrl.weights.layout import dtype_from_name
+
+    tensors: dict[str, Any] = {}
+    for header, arrays in buckets:
+        specs = json.loads(header)
+        if len(specs) != len(arrays):
+            raise ValueError(f"weight bucket holds {len(arrays)} tensors, its header {len(specs)}")
+        for (name, dtype, shape), raw in zip(specs, arrays, strict=True):
+            flat = torch.empty(raw.size, dtype=torch.uint8)
+            flat.numpy()[:] = raw
+            tensors[name] = flat.view(dtype_from_name(dtype)).view(shape)
+    return tensors
 
 
 class InProcessWeights:
-    """Holds the latest version in this process; engines in the same process share it.
+    """Holds the latest version in this process; the trainer and the engines share it.
 
     Thread-safe: in threads mode the trainer publishes from one thread while the rollout
     fetches, and the rollout's publish watcher and the feeder wait (`wait_newer`), in others.
+    `fetch_newer` hands out the held tensors themselves (the publish cloned them).
     """
 
     def __init__(self) -> None:
@@ -67,10 +106,9 @@ class InProcessWeights:
             return self._version, self._tensors
 
     def wait_newer(self, have_version: int, timeout_s: float) -> int:
-        """Block until a version newer than `have_version` is held, or `timeout_s` passes;
-        return the newest version held."""
+        """Blocks on the store's condition until a publish wakes it."""
         with self._published:
-            self._published.wait_for(lambda: self._version > have_version, timeout_s)
+            self._published.wait_for(lambda: self._version > have_version, max(timeout_s, 0.0))
             return self._version
 
 
@@ -93,7 +131,7 @@ class _WeightStoreActor:
             self._published = asyncio.Event()
         return self._published
 
-    def _hold(self, version: int, buckets: list[dict[str, Any]]) -> bool:
+    def _hold(self, version: int, buckets: list[Bucket]) -> bool:
         """Hold `version` and wake its waiters if it is newer than the held one."""
         import ray
 
@@ -105,7 +143,7 @@ class _WeightStoreActor:
         published.set()
         return True
 
-    async def set(self, version: int, buckets: list[dict[str, Any]]) -> None:
+    async def set(self, version: int, buckets: list[Bucket]) -> None:
         self._hold(version, buckets)
 
     async def wait_newer(self, have_version: int, timeout_s: float) -> int:
@@ -126,25 +164,13 @@ class _WeightStoreActor:
         return self.version
 
 
-class RayWeights:
-    """Client of the Ray weight store; cheap to pass to other actors (holds only a handle)."""
+class RayStoreClient:
+    """The subscribing side of a store actor (`_WeightStoreActor` or a subclass); picklable
+    (holds only the actor's handle). Its waits block inside the actor."""
 
     def __init__(self, handle, bucket_bytes: int = 64 * 2**20):
         self.handle = handle
         self.bucket_bytes = bucket_bytes
-
-    @classmethod
-    def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
-        import ray
-
-        # An asyncio actor (its waits hold no thread): Ray runs up to 1,000 of its calls at once.
-        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
-        return cls(actor, bucket_bytes)
-
-    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        import ray
-
-        ray.get(self.handle.set.remote(version, to_buckets(named_tensors, self.bucket_bytes)))
 
     def latest_version(self) -> int:
         import ray
@@ -152,8 +178,7 @@ class RayWeights:
         return ray.get(self.handle.latest_version.remote())
 
     def wait_newer(self, have_version: int, timeout_s: float) -> int:
-        """Block (inside the store) until a version newer than `have_version` is published or
-        `timeout_s` passes; return the newest version."""
+        """Blocks inside the store until a version newer than `have_version` is held."""
         import ray
 
         return ray.get(self.handle.wait_newer.remote(have_version, timeout_s))
@@ -165,7 +190,23 @@ class RayWeights:
         if found is None:
             return None
         version, holders = found
-        tensors: dict[str, Any] = {}
-        for bucket in ray.get([h[0] for h in holders]):
-            tensors.update(bucket)
-        return version, tensors
+        return version, from_buckets(ray.get([h[0] for h in holders]))
+
+
+class RayWeights(RayStoreClient):
+    """The object-store channel: one handle for the trainer (publish) and every engine."""
+
+    @classmethod
+    def create(cls, bucket_bytes: int = 64 * 2**20) -> RayWeights:
+        import ray
+
+        # An asyncio actor (its waits hold no thread): Ray runs up to 1,000 of its calls at once.
+        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
+        return cls(actor, bucket_bytes)
+
+    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
+        """Held from its return on; a version not newer than the held one is ignored (a trainer
+        resumed from a checkpoint replays versions the store outlived it with)."""
+        import ray
+
+        ray.get(self.handle.set.remote(version, to_buckets(named_tensors, self.bucket_bytes)))

@@ -1,29 +1,36 @@
 """The tcp weight channel as picklable handles, so the runtime can hand them to role processes.
 
-`TcpPublisher` goes to the trainer: the first call starts a `TcpWeightServer` in the trainer's
-process (the DCS: it keeps the latest version in host memory and streams it to any engine that
-asks). `TcpSubscriber` goes to every other role: it connects on first use. Only the address and
-the token travel when a handle is pickled; sockets and threads are created where it is used.
+`TcpPublisher` (a `WeightPublisher`) goes to the trainer: the first call starts a
+`TcpWeightServer` in the trainer's process (the DCS: it keeps the latest version in host memory
+and streams it to any engine that asks). `TcpSubscriber` (a `WeightSubscriber`) goes to every
+other role: it connects on first use. Only the address and the token travel when a handle is
+pickled; sockets and threads are created where it is used. Following versions (`latest_version`,
+`wait_newer`, the feeder's calls) needs no torch.
 
 The server lives and dies with the trainer's process. A trainer restarted in place serves again
 on the same port, so a subscriber rides out a lost server for `outage_s`: meanwhile it reports
 nothing newer (and the last version it saw) and tries a new connection at most once a second.
+The server cannot block a client until a publish: `wait_newer` asks for the version every
+POLL_S.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from streamrl.api.weights import poll_newer
 from streamrl.weights.tcp import TcpWeightClient, TcpWeightServer
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "STREAMRL_WEIGHT_TOKEN"
 RECONNECT_S = 1.0
+POLL_S = 0.05  # how often `wait_newer` asks the server for its version
 
 
 def resolve_token(token: str | None) -> str | None:
@@ -51,36 +58,46 @@ class TcpPublisher:
     def latest_version(self) -> int:
         return self._live().latest_version()
 
-    def fetch_newer(self, have_version: int):
-        return self._live().fetch_newer(have_version)
+    def close(self) -> None:
+        """Stop serving (what the trainer's exit does); publishing again serves anew."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "token": self.token, "_server": None}
 
 
 class TcpSubscriber:
+    """One connection, used by one call at a time: a thread's `wait_newer` waits at most one
+    request (or one version's transfer) for another's `fetch_newer`."""
+
     def __init__(self, host: str, port: int, token: str | None, outage_s: float = 300.0):
         self.host, self.port, self.token, self.outage_s = host, port, token, outage_s
         self._client: TcpWeightClient | None = None
         self._last_version = -1
         self._down_since: float | None = None
         self._next_try = 0.0
-
-    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
-        raise RuntimeError("only the trainer publishes weights (this role holds a subscriber)")
+        self._lock = threading.Lock()
 
     def latest_version(self) -> int:
-        self._last_version = self._call(lambda c: c.latest_version(), self._last_version)
-        return self._last_version
+        with self._lock:
+            self._last_version = self._call(lambda c: c.latest_version(), self._last_version)
+            return self._last_version
 
-    def fetch_newer(self, have_version: int):
-        found = self._call(lambda c: c.fetch_newer(have_version), None)
-        if found is not None:
-            self._last_version = found[0]
-        return found
+    def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
+        with self._lock:
+            found = self._call(lambda c: c.fetch_newer(have_version), None)
+            if found is not None:
+                self._last_version = found[0]
+            return found
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        return poll_newer(self.latest_version, have_version, timeout_s, POLL_S)
 
     def _call(self, request: Callable[[TcpWeightClient], Any], fallback: Any) -> Any:
-        """`request` on the live connection; `fallback` while the server is unreachable."""
+        """`request` on the live connection; `fallback` while the server is unreachable.
+        The caller holds `_lock`."""
         now = time.monotonic()
         if self._down_since is not None and now < self._next_try:
             return fallback
@@ -116,4 +133,9 @@ class TcpSubscriber:
         return result
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_client": None, "_down_since": None}
+        state = {**self.__dict__, "_client": None, "_down_since": None}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())

@@ -5,7 +5,8 @@ safetensors blob in host memory; serving a client is then only `sendall` of thos
 number of engines, including one that starts or restarts long after the publish, get the
 current weights without a disk checkpoint. A publish during a transfer does not disturb it: the
 transfer keeps the version it started with. Nothing on the wire is pickled: JSON headers and
-safetensors blobs only.
+safetensors blobs only. Torch is imported only where tensors are made or read: a client that
+only asks versions (the feeder's) never imports it.
 
 Wire protocol (one TCP connection per client, many requests per connection; integers big-endian):
 
@@ -39,16 +40,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from hashlib import sha256
+from typing import TYPE_CHECKING
 
-import torch
-
-from streamrl.weights.layout import (
-    Layout,
-    as_flat,
-    from_safetensors,
-    read_safetensors_header,
-    to_safetensors,
-)
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +99,8 @@ class _Snapshot:
 
 
 class TcpWeightServer:
-    """The DCS over TCP; implements WeightService for the trainer (publish) and this process."""
+    """The DCS over TCP: the trainer's `WeightPublisher`, and a `WeightSubscriber` for an
+    engine in the server's own process; clients elsewhere connect with `TcpWeightClient`."""
 
     def __init__(
         self,
@@ -127,6 +123,7 @@ class TcpWeightServer:
         self._key = (token or "").encode()
         self._snapshot: _Snapshot | None = None
         self._lock = threading.Lock()
+        self._published = threading.Condition(self._lock)
         self._connections: set[socket.socket] = set()
         self._closed = False
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -137,10 +134,12 @@ class TcpWeightServer:
         )
         self._accept_thread.start()
 
-    # -- WeightService ------------------------------------------------------------------------
+    # -- WeightPublisher, WeightSubscriber ------------------------------------------------------
 
     def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy `named_tensors` into host memory as the version served from now on."""
+        from streamrl.weights.layout import Layout, from_safetensors, to_safetensors
+
         held = self.latest_version()
         if version <= held:
             raise ValueError(f"published version {version} is not newer than held version {held}")
@@ -159,8 +158,9 @@ class TcpWeightServer:
             views.update(from_safetensors(blob))
         tensors = {spec.name: views[spec.name] for spec in layout.specs}  # publisher's order
         snapshot = _Snapshot(version, json.dumps(header).encode(), blobs, tensors)
-        with self._lock:
+        with self._published:
             self._snapshot = snapshot
+            self._published.notify_all()
 
     def latest_version(self) -> int:
         snapshot = self._snapshot
@@ -172,6 +172,14 @@ class TcpWeightServer:
         if snapshot is None or snapshot.version <= have_version:
             return None
         return snapshot.version, snapshot.tensors
+
+    def wait_newer(self, have_version: int, timeout_s: float) -> int:
+        """For an engine in this process: blocks until a publish wakes it."""
+        with self._published:
+            self._published.wait_for(
+                lambda: self.latest_version() > have_version, max(timeout_s, 0.0)
+            )
+            return self.latest_version()
 
     def close(self) -> None:
         """Stop listening and drop every client connection."""
@@ -270,6 +278,10 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def _receive_blob(sock: socket.socket, nbytes: int, what: str) -> dict[str, torch.Tensor]:
+    import torch
+
+    from streamrl.weights.layout import from_safetensors
+
     blob = torch.empty(nbytes, dtype=torch.uint8)  # no zero-fill: every byte is received
     _recv_into(sock, memoryview(blob.numpy()), what)
     return from_safetensors(blob)
@@ -279,6 +291,10 @@ def _receive_blob_into(
     sock: socket.socket, nbytes: int, into: Mapping[str, torch.Tensor], what: str
 ) -> dict[str, torch.Tensor]:
     """Read one safetensors blob from `sock`, each tensor's bytes into `into[name]`."""
+    import torch
+
+    from streamrl.weights.layout import as_flat, read_safetensors_header
+
     (header_len,) = struct.unpack("<Q", _recv(sock, 8, what))
     if 8 + header_len > nbytes:
         raise ConnectionError(f"{what}: safetensors header overruns the blob")
@@ -300,7 +316,7 @@ def _receive_blob_into(
 
 
 class TcpWeightClient:
-    """An engine's connection to a TcpWeightServer (WeightService: latest_version, fetch_newer).
+    """An engine's connection to a TcpWeightServer: `latest_version` and `fetch_newer`.
 
     Connects lazily and keeps the connection; if a kept connection turns out dead (the server
     restarted), the request is retried once on a fresh connection. Not for use by several
@@ -343,6 +359,8 @@ class TcpWeightClient:
     def _receive_version(
         self, version: int, header_len: int, into: Mapping[str, torch.Tensor] | None
     ) -> dict[str, torch.Tensor]:
+        from streamrl.weights.layout import Layout
+
         if header_len > _MAX_HEADER_BYTES:
             raise ConnectionError(f"weight server sent an implausible header of {header_len} B")
         sock = self._connected()

@@ -4,6 +4,7 @@ channel on gloo with two real processes, and the `tcp` DCS server and client on 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -195,6 +196,14 @@ def test_tcp_round_trip_and_up_to_date(server: TcpWeightServer) -> None:
     version, held = server.fetch_newer(1)  # an engine in the server's own process
     assert version == 2 and server.fetch_newer(2) is None
     assert_same(dict(held), weights(2))
+
+
+def test_tcp_server_wakes_a_waiter_in_its_own_process(server: TcpWeightServer) -> None:
+    publish = threading.Timer(0.2, server.publish, (1, weights(1)))
+    publish.start()
+    assert server.wait_newer(-1, 30.0) == 1  # woken by the publish
+    publish.join()
+    assert server.wait_newer(1, 0.05) == 1  # nothing newer: the timeout
 
 
 def test_tcp_wrong_or_missing_token_rejected(server: TcpWeightServer) -> None:

@@ -13,10 +13,10 @@ import pytest
 import ray
 
 from streamrl.api.role import LoopPolicy
-from streamrl.api.weights import wait_newer
+from streamrl.api.weights import poll_newer
 from streamrl.data.role import FeederRole
 from streamrl.weights.collective_channel import GroupDirectory
-from streamrl.weights.dcs import RayWeights
+from streamrl.weights.dcs import InProcessWeights, RayWeights
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def weights() -> Iterator[RayWeights]:
 
 
 def test_publish_then_fetch_newer(weights: RayWeights) -> None:
-    weights.publish(3, {"w": np.arange(4, dtype=np.float32)})
+    weights.publish(3, {"w": np.arange(4, dtype=np.float32)})  # arrays too: they become tensors
     assert weights.latest_version() == 3
     version, tensors = weights.fetch_newer(2)
     assert version == 3 and np.array_equal(tensors["w"], np.arange(4, dtype=np.float32))
@@ -79,14 +79,13 @@ def test_the_collective_directory_holds_tagged_versions_on_the_same_async_actor(
     assert not directory.publish_tagged(4, {"w": np.zeros(3)}, epoch=None)  # not newer
 
 
-def test_wait_newer_helper_skips_services_that_cannot_wait() -> None:
-    class Polled:  # a weight service without `wait_newer`
-        def fetch_newer(self, have_version: int):
-            return None
-
+def test_poll_newer_asks_until_a_newer_version_or_the_timeout() -> None:
+    answers = iter([3, 3, 4])  # a channel that cannot block: its service answers versions
+    assert poll_newer(lambda: next(answers), 3, 30.0, interval_s=0.01) == 4
     started = time.monotonic()
-    wait_newer(Polled(), -1, 30.0)  # returns at once
-    assert time.monotonic() - started < 5.0
+    assert poll_newer(lambda: 3, 3, 0.2, interval_s=0.01) == 3
+    assert time.monotonic() - started >= 0.19
+    assert InProcessWeights().wait_newer(-1, 0.0) == -1  # nothing published, no wait
 
 
 class _RoomyBus:
