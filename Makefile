@@ -49,7 +49,7 @@ test: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider \
 		tests/unit/test_vllm_engine.py tests/unit/test_balancer.py \
-		tests/integration/test_vllm_engine.py
+		tests/contract/test_engine_contract.py tests/integration/test_vllm_engine.py
 
 ## The GPU check (docs/engines.md): the demo task with vLLM on a GPU, throughput and log-prob
 ## mismatch; fails without a GPU. It makes its own environment (.cache/venv-gpu) when .venv has

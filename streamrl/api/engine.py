@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -67,3 +69,33 @@ class Engine(Protocol):
         soon as they finish (streaming); `weight_poll` is consulted between decode steps for an
         in-flight weight update. Returns all results in request order."""
         ...
+
+
+# Every engine calls this first: a prompt no model can run (no tokens, or a token id outside the
+# vocabulary) would otherwise fail deep inside a forward pass (an index error in the builtin
+# engine, a device-side assert that takes a GPU server down, a stuck request on a server whose
+# scheduler died). The whole call fails with one ValueError naming the request, before any
+# request of it starts, and the engine stays usable.
+def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None) -> None:
+    """Raise ValueError for the first request whose prompt is empty or holds a token id outside
+    [0, vocab_size); `vocab_size` None (unknown to the caller) skips only the upper bound."""
+    for request in requests:
+        ids = np.asarray(request.prompt_ids)  # a list, or an array read from the bus
+        if ids.size == 0:
+            raise ValueError(
+                f"request {request.request_id!r} has an empty prompt: prompt_ids must hold at "
+                "least one token id"
+            )
+        lowest, highest = int(ids.min()), int(ids.max())
+        bound = "" if vocab_size is None else f", the model's vocabulary is [0, {vocab_size})"
+        if lowest < 0:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt token id {lowest} at position "
+                f"{int(ids.argmin())} is negative; token ids are >= 0{bound}"
+            )
+        if vocab_size is not None and highest >= vocab_size:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt token id {highest} at position "
+                f"{int(ids.argmax())} is outside the model's vocabulary [0, {vocab_size}); "
+                "was the prompt encoded with another model's tokenizer?"
+            )

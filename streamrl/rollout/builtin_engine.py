@@ -18,8 +18,10 @@ How a call to `generate` runs:
 - a finished sequence frees its slot at once and the next waiting request takes it (continuous
   batching); once nobody waits, busy slots are packed to the front so that finished rows stop
   costing compute;
-- before every step but the first, `weight_poll` may hand over newer weights (in-flight update);
-  every token records the policy version that produced it.
+- before every step but the first, `weight_poll` may hand over newer weights (in-flight update):
+  the running sequences are prefilled again under them, so a request continues exactly as one
+  resumed with its tokens so far would (as vLLM's and SGLang's continuations do), and every
+  token records the policy version that produced it.
 
 Sampling noise is a pure function of (seed, request_id, position of the token in the sequence):
 a counter-based integer hash turned into Gumbel noise, computed for the whole batch at once. A
@@ -42,7 +44,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
+from streamrl.api.engine import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    WeightPoll,
+    check_requests,
+)
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -446,9 +454,7 @@ class BuiltinEngine:
     ) -> list[GenerationResult]:
         if not requests:
             return []
-        empty = [r.request_id for r in requests if not r.prompt_ids]
-        if empty:
-            raise ValueError(f"requests {empty[:5]} have no prompt tokens; give each at least one")
+        check_requests(requests, self.model.model.embed_tokens.weight.shape[0])
         return _Generation(self, requests, params, on_finished, weight_poll).run()
 
 
@@ -493,10 +499,26 @@ class _Generation:
                 update = self.weight_poll()
                 if update is not None:
                     self.engine.load_weights(*update)
+                    self._recompute_cache()
             first = False
             self.step()
         assert all(r is not None for r in self.results)
         return self.results  # type: ignore[return-value]
+
+    def _recompute_cache(self) -> None:
+        """After an in-flight update: prefill the running sequences again under the new weights
+        (prompt plus every token but the last, which the next decode step feeds), so that no
+        later token attends to keys and values the old weights computed."""
+        slots = (self.request[: self.num_used] >= 0).nonzero().flatten()
+        if not len(slots):
+            return
+        indices = self.request[slots].tolist()
+        tokens = self.tokens[indices].tolist()
+        sequences = [
+            [*self.requests[i].prompt_ids, *tokens[k][: n - 1]]
+            for k, (i, n) in enumerate(zip(indices, self.count[slots].tolist(), strict=True))
+        ]
+        self.runner.prefill(slots, sequences)
 
     def step(self) -> None:
         """Sample one token for every busy slot; hand over the sequences that finish."""

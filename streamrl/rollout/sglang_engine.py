@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import queue
 import shutil
@@ -57,11 +58,17 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
+from streamrl.api.engine import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    WeightPoll,
+    check_requests,
+)
 from streamrl.rollout.sglang_client import (
     BackgroundCall,
     SglangClient,
@@ -73,9 +80,6 @@ from streamrl.rollout.sglang_client import (
     stop_process_group,
 )
 
-if TYPE_CHECKING:
-    from streamrl.runtime.context import RunContext
-
 DEFAULT_LAUNCH_CMD = (sys.executable, "-m", "sglang.launch_server")
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,7 @@ _Output = tuple[list[int], list[float], int, str]
 
 @dataclass
 class SglangSettings:
-    """How the engine reaches its server; `streamrl.runtime.components` fills it from the config."""
+    """How the engine reaches its server; `rollout/engines.py` fills it from `rollout.sglang`."""
 
     url: str | None = None
     """Base URL of a running server to attach to; None launches one."""
@@ -145,6 +149,9 @@ class SglangEngine:
     def __init__(self, model_dir: str | Path, *, eos_token_id: int, settings: SglangSettings):
         self.eos_token_id = eos_token_id
         self.settings = settings
+        self.vocab_size = _vocab_size(Path(model_dir))
+        """Prompt ids are checked against it before anything is sent; None (no local model
+        directory to read it from) leaves that to the server (recent SGLang answers HTTP 400)."""
         # A directory of its own: several engines (rollout replicas) may share `weights_dir`.
         self._own_weights_dir = settings.weights_dir is None
         if settings.weights_dir is None:
@@ -287,9 +294,7 @@ class SglangEngine:
     ) -> list[GenerationResult]:
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids in one generate() call must be unique")
-        empty = [r.request_id for r in requests if not r.prompt_ids]
-        if empty:
-            raise ValueError(f"requests {empty[:5]} have no prompt tokens; give each at least one")
+        check_requests(requests, self.vocab_size)
         if not requests:
             return []
         waiting = deque(_Sequence(r) for r in requests)
@@ -461,27 +466,6 @@ class SglangEngine:
         return info
 
 
-def make_sglang_engine(ctx: RunContext) -> SglangEngine:
-    """The engine `rollout.engine=sglang` asks for, from the run's config."""
-    from streamrl.models.loading import load_tokenizer
-
-    r = ctx.cfg.rollout
-    settings = SglangSettings(
-        url=r.sglang.url,
-        launch_cmd=tuple(r.sglang.launch_cmd or DEFAULT_LAUNCH_CMD),
-        launch_args=tuple(r.sglang.launch_args),
-        dtype=ctx.cfg.model.dtype if r.sglang.dtype == "auto" else r.sglang.dtype,
-        deterministic=r.sglang.deterministic,
-        max_running_requests=r.max_batch_size,
-        startup_timeout_s=r.sglang.startup_timeout_s,
-        request_timeout_s=r.sglang.request_timeout_s,
-        weights_dir=r.sglang.weights_dir or Path(ctx.run_dir) / "sglang",
-        weight_sync=r.sglang.weight_sync,
-    )
-    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
-    return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
-
-
 def request_seed(seed: int, key: str) -> int:
     """SGLang's per-request `sampling_seed`: a stable 63-bit hash of (run seed, request key)."""
     digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
@@ -508,6 +492,17 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
     if engine.num_weight_updates > 0 and isinstance(reported, str) and reported.isdigit():
         version = int(reported)  # exact even when the response crossed a weight update
     return token_ids, logprobs, version, reason
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    """The vocabulary size in `model_dir`'s config.json (a multimodal model's `text_config`),
+    None when there is no such local file (a hub id, or a server attached without it)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
 
 
 def _as_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:

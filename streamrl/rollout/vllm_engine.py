@@ -32,7 +32,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams, WeightPoll
+from streamrl.api.engine import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    WeightPoll,
+    check_requests,
+)
 from streamrl.rollout.balancer import LeastLoaded, Unit, group_by_prompt
 from streamrl.rollout.vllm_replica import (
     Replica,
@@ -75,6 +81,7 @@ class VllmEngine:
             self.close()
             raise
         self.max_model_len = min(r.max_model_len for r in self.replicas)
+        self.vocab_size: int = self.replicas[0].engine.model_config.get_vocab_size()
         self.balancer = LeastLoaded(len(self.replicas), capacity=settings.max_num_seqs)
         self.num_weight_updates = 0
         self.num_continuations = 0
@@ -116,6 +123,9 @@ class VllmEngine:
     ) -> list[GenerationResult]:
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids in one generate() call must be unique")
+        # Here, not in vLLM: its own check raises a VLLMValidationError (not a ValueError) that
+        # does not name the request, once earlier requests of the call already run.
+        check_requests(requests, self.vocab_size)
         for r in requests:
             if len(r.prompt_ids) + params.max_new_tokens > self.max_model_len:
                 raise ValueError(

@@ -41,7 +41,7 @@ from streamrl.api.engine import GenerationRequest, SamplingParams
 
 @dataclass
 class VllmSettings:
-    """How the `vllm.LLM`s are built; `streamrl.runtime.components` fills it from the config."""
+    """How the `vllm.LLM`s are built; `rollout/engines.py` fills it from `rollout.vllm`."""
 
     dtype: str = "float32"
     """Weights and compute dtype (the trainer's, for the smallest log-prob mismatch)."""

@@ -8,7 +8,7 @@ What it implements, following SGLang's native API (field names as in SGLang's `i
 | --- | --- |
 | GET /health, /health_generate | 200 once serving |
 | GET /model_info, /get_model_info | model_path, is_generation, weight_version, model_type |
-| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), sampling_seed, stop_token_ids, ignore_eos; `return_logprob`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...]); 400 past the context length |
+| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), sampling_seed, stop_token_ids, ignore_eos; `return_logprob`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...]); 400 for empty input_ids, ids outside [0, vocab_size), or past the context length |
 | POST /abort_request | `rid` (prefix match, as SGLang) or `abort_all`; aborted requests answer with their tokens so far |
 | POST /pause_generation | mode `abort` aborts everything running; `in_place`/`retract` only stop stepping; new requests wait until continued |
 | POST /continue_generation | resumes |
@@ -87,6 +87,7 @@ class FakeSglangServer:
         self.model_dir = str(model_dir)
         model = load_causal_lm(model_dir)
         self.max_context = int(model.config.max_position_embeddings)
+        self.vocab_size = int(model.config.vocab_size)
         eos = model.config.eos_token_id
         self.model_eos = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
         self.stop_on_model_eos = stop_on_model_eos
@@ -203,6 +204,14 @@ class FakeSglangServer:
             raise HttpError(400, "the fake SGLang server takes one prompt as a list of input_ids")
         if not input_ids:
             raise HttpError(400, "input_ids is empty")
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            # As SGLang's tokenizer manager (`_validate_input_ids_in_vocab`), before scheduling:
+            # an id outside the embedding table must not reach the model.
+            raise HttpError(
+                400,
+                f"The input_ids {input_ids} contains values outside the vocabulary "
+                f"[0, {self.vocab_size}).",
+            )
         sp = body.get("sampling_params") or {}
         max_new_tokens = int(sp.get("max_new_tokens", 128))
         if len(input_ids) + max_new_tokens > self.max_context:
