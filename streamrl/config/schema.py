@@ -212,6 +212,27 @@ class RewardConfig(Section):
     """A reward call running longer than this is stopped and the sample dropped (status timeout)."""
     invalid_output_penalty: float | None = 0.0
     """Reward given to an `invalid_output` result (it then enters the baseline); None drops it."""
+    sandbox: Literal["none", "process", "namespaces"] = "namespaces"
+    """Isolation of the reward's worker processes (`streamrl.reward.isolation`): namespaces
+    (bubblewrap: no network, own PID namespace, read-only filesystem, private /tmp, homes
+    hidden, scrubbed environment, resource limits; as nobody when started by root), process
+    (scrubbed environment and resource limits only, for a reward that needs the network), none
+    (the caller's environment, no limits: debugging only)."""
+    require_sandbox: bool = True
+    """Refuse to start when `sandbox`'s level does not work on this machine (the error says what
+    is missing and how to get it); False falls back to the strongest level that works."""
+    num_workers: int = Field(1, ge=1)
+    """Sandboxed worker processes scoring a batch concurrently (each started once, persistent)."""
+    memory_limit_gb: float = Field(4.0, gt=0)
+    """Address space of each process in the sandbox (RLIMIT_AS): past it an allocation fails."""
+    cpu_limit_s: float | None = Field(None, gt=0)
+    """CPU seconds one reward call may use (RLIMIT_CPU, reset per call); None: timeout_s."""
+    max_processes: int = Field(256, ge=1)
+    """Processes and threads of the sandbox's user (RLIMIT_NPROC): a fork bomb stops there."""
+    max_file_size_mb: float = Field(64.0, gt=0)
+    """Largest file a reward may write (RLIMIT_FSIZE)."""
+    max_open_files: int = Field(256, ge=16)
+    """Open file descriptors of each process in the sandbox (RLIMIT_NOFILE)."""
 
 
 class AdvantageConfig(Section):
@@ -563,8 +584,10 @@ class WeightsConfig(Section):
     """collective: torch.distributed backend of the weight group: gloo (CPU tensors, any
     machine) or nccl (GPU to GPU; the trainer and every engine need a GPU, and an engine that
     cannot join receives the host copy instead)."""
-    token: str | None = None
-    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN)."""
+    token: str | None = Field(None, json_schema_extra={"secret": True})
+    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN).
+    A secret: never written to the run's config.yaml, so a resumed run (`--resume`) needs it
+    again, from $STREAMRL_WEIGHT_TOKEN or `runtime.weights.token=...` on the command line."""
 
 
 class RuntimeConfig(Section):

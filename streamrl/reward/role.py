@@ -14,8 +14,8 @@ from streamrl.reward.service import RewardRole
 
 
 def make_scorer(ctx: RunContext) -> SandboxedScorer:
-    """The run's reward function behind its sandbox (its worker starts at the first call)."""
-    return SandboxedScorer(ctx.cfg.reward.function, timeout_s=ctx.cfg.reward.timeout_s)
+    """The run's reward function behind its sandbox (its workers start at the first call)."""
+    return SandboxedScorer.from_config(ctx.cfg.reward)
 
 
 def build(ctx: RunContext, bus, weights, *, start_step: int) -> RewardRole:

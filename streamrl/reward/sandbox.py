@@ -1,28 +1,65 @@
-"""Running reward functions in a separate worker process with a timeout and resource limits.
+"""Scoring with a reward function that runs in sandboxed worker processes, under a deadline.
 
-A reward function is user code and sees untrusted model output: it may raise, hang or eat memory.
-The scorer starts `python -m streamrl.reward.worker` (its own interpreter: nothing of the
-caller's main module runs there), sends each task as a JSON line over its stdin and waits for
-the result at most `timeout_s`. A worker that overruns is killed and restarted and its sample
-marked `timeout`. An exception inside the function comes back as
-`infra_error`. JSON, not pickle, crosses the pipe.
+A reward function is user code and sees untrusted model output: it may raise, hang, print, eat
+memory or try to reach what it should not. `SandboxedScorer` keeps `num_workers` persistent
+worker processes (`python -m streamrl.reward.worker`), each in a sandbox of
+`streamrl.reward.isolation` started once, and scores a batch across them, one task per worker
+at a time:
+
+    score(tasks) ──task {id,...}──► worker 0 ──result {id, value, status, ...}──► check ──► results
+                 ──task──────────► worker 1 ──result─────────────────────────────► check
+                 (one socket per worker; the reward's stdout/stderr ──► this process's log)
+
+- Results travel on a private channel (a socket passed to the worker), tagged with their task's
+  id: what the reward prints never reaches them. A result larger than `MAX_RESULT_BYTES` is
+  refused (`infra_error`) without being read.
+- Each call has one deadline, `timeout_s`, from sending the task to its whole result; past it
+  the worker's process group (under `namespaces`, its PID namespace) is killed, the sample
+  marked `timeout`, and a fresh worker started when there is work for it.
+- Every result is checked here, whatever the worker sent: a known status, a finite number when
+  the status is `ok`, finite components, a reason cut to size; anything else is `infra_error`
+  with the reason.
+- The reward's output is logged (logger `streamrl.reward.worker`, INFO), each line cut to
+  `MAX_LOG_LINE` bytes and at most `MAX_LOGGED_BYTES` per worker.
+
+JSON, not pickle, crosses the channel.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import math
 import os
 import select
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from streamrl.api.reward import RewardResult
+from streamrl.reward.isolation import IsolationUnavailable, Level, Limits, Sandbox
+from streamrl.reward.worker import HEADER, MAX_COMPONENTS, MAX_NAME_CHARS, MAX_REASON_CHARS, encode
 
-# How long a new worker may take to import the reward's module.
+if TYPE_CHECKING:
+    from streamrl.config.schema import RewardConfig
+
+STATUSES = ("ok", "invalid_output", "timeout", "infra_error")
+MAX_RESULT_BYTES = 1 << 20
+MAX_LOG_LINE = 2000
+MAX_LOGGED_BYTES = 1 << 20
+# How long a new worker may take to start its sandbox and import the reward's module.
 _STARTUP_TIMEOUT_S = 60.0
+
+log = logging.getLogger(__name__)
+output_log = logging.getLogger("streamrl.reward.worker")
 
 
 @dataclass(frozen=True)
@@ -32,97 +69,359 @@ class ScoreTask:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class SandboxedScorer:
-    """Scores batches in a child process; one instance per reward role."""
+def checked(message: Any) -> RewardResult:
+    """The worker's result as a RewardResult, or an `infra_error` saying what was wrong with it."""
+    if not isinstance(message, dict):
+        return RewardResult(None, "infra_error", f"the reward worker sent {type(message).__name__}")
+    status, value = message.get("status"), message.get("value")
+    reason = message.get("reason", "")
+    reason = reason[:MAX_REASON_CHARS] if isinstance(reason, str) else ""
+    if status not in STATUSES:
+        return RewardResult(None, "infra_error", f"reward returned the unknown status {status!r}")
+    parts = message.get("components", {})
+    components = {
+        str(name)[:MAX_NAME_CHARS]: float(v)
+        for name, v in list(parts.items() if isinstance(parts, dict) else ())[:MAX_COMPONENTS]
+        if _is_number(v) and math.isfinite(v)
+    }
+    if status != "ok":
+        return RewardResult(None, status, reason, components)
+    if not _is_number(value) or not math.isfinite(value):
+        shown = value if _is_number(value) or value is None else str(value)[:40]
+        return RewardResult(None, "infra_error", f"reward returned {shown} with status ok")
+    return RewardResult(float(value), "ok", reason, components)
 
-    def __init__(self, fn_path: str, *, timeout_s: float, memory_limit_gb: float = 4.0):
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def import_roots(fn_path: str) -> list[str]:
+    """The directories a worker imports from: the one holding the reward's top-level package,
+    the one holding streamrl, then the caller's PYTHONPATH."""
+    module = fn_path.partition(":")[0] if ":" in fn_path else fn_path.rpartition(".")[0]
+    roots = []
+    for top in (module.split(".")[0], "streamrl"):
+        spec = importlib.util.find_spec(top)
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            roots += [str(Path(p).parent) for p in spec.submodule_search_locations]
+        elif spec.origin and os.path.isabs(spec.origin):
+            roots.append(str(Path(spec.origin).parent))
+    return roots + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+
+
+class _OutputLog(threading.Thread):
+    """Reads a worker's stdout and stderr (the reward's prints, the sandbox's own errors) and
+    logs each line, within budget; keeps the last lines for start-up errors."""
+
+    def __init__(self, pipe, name: str):
+        super().__init__(name=f"{name}-output", daemon=True)
+        self.pipe, self.label = pipe, name
+        self.tail: deque[str] = deque(maxlen=20)
+        self._line = bytearray()
+        self._cut = 0
+        self._logged = 0
+
+    def run(self) -> None:
+        with self.pipe:
+            while chunk := os.read(self.pipe.fileno(), 1 << 16):
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
+                    self._add(chunk[start:end])
+                    self._emit()
+                    start = end + 1
+                self._add(chunk[start:])
+        if self._line or self._cut:
+            self._emit()
+
+    def _add(self, piece: bytes) -> None:
+        room = MAX_LOG_LINE - len(self._line)
+        self._line += piece[:room]
+        self._cut += max(0, len(piece) - room)
+
+    def _emit(self) -> None:
+        line = self._line.decode(errors="replace")
+        if self._cut:
+            line += f"... ({self._cut} bytes more)"
+        self._line, self._cut = bytearray(), 0
+        self.tail.append(line)
+        if self._logged < MAX_LOGGED_BYTES:
+            self._logged += len(line)
+            output_log.info("%s: %s", self.label, line)
+            if self._logged >= MAX_LOGGED_BYTES:
+                output_log.warning(
+                    "%s: over %d bytes of output; the rest is not logged",
+                    self.label,
+                    MAX_LOGGED_BYTES,
+                )
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One worker process and where it stands: starting (not ready), idle, or busy with the
+    task at `position` until `deadline`."""
+
+    proc: subprocess.Popen
+    channel: socket.socket
+    output: _OutputLog
+    deadline: float
+    ready: bool = False
+    position: int | None = None
+    task_id: int = -1
+    buffer: bytearray = field(default_factory=bytearray)
+
+    @property
+    def active(self) -> bool:
+        return not self.ready or self.position is not None
+
+
+class SandboxedScorer:
+    """Scores batches in sandboxed worker processes; one instance per reward role (or
+    evaluator). Workers start at the first call and are restarted after a timeout or death."""
+
+    def __init__(
+        self,
+        fn_path: str,
+        *,
+        timeout_s: float,
+        sandbox: Level = "namespaces",
+        require_sandbox: bool = True,
+        num_workers: int = 1,
+        limits: Limits | None = None,
+        cpu_limit_s: float | None = None,
+    ):
         from streamrl.reward.scoring import resolve_callable
 
         resolve_callable(fn_path)  # fail fast, in the caller, on a bad path
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self.fn_path = fn_path
         self.timeout_s = timeout_s
-        self.memory_limit_bytes = int(memory_limit_gb * 2**30)
+        self.cpu_limit_s = cpu_limit_s or timeout_s
         self.num_restarts = 0
-        self._proc: subprocess.Popen | None = None
-        self._buffer = b""
-
-    def _start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "streamrl.reward.worker",
-            self.fn_path,
-            str(self.memory_limit_bytes),
-        ]
-        # A session of its own: a Ctrl-C in the terminal (a graceful stop of the run) must not
-        # kill the worker mid-task. It exits when its stdin closes, whatever ends the caller.
-        self._proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            start_new_session=True,
-        )
-        self._buffer = b""
-        # The worker says "ready" once it has imported the reward function; only then do
-        # per-task timeouts start, so a slow import is never mistaken for a hanging reward.
-        ready = self._read_line(_STARTUP_TIMEOUT_S)
-        if ready != b"ready":
-            self._kill()
-            raise RuntimeError(
-                f"reward worker for {self.fn_path!r} did not start within {_STARTUP_TIMEOUT_S}s"
+        try:
+            self.sandbox = Sandbox(
+                sandbox, limits=limits, pythonpath=import_roots(fn_path), require=require_sandbox
             )
+        except IsolationUnavailable as e:
+            raise IsolationUnavailable(
+                f"reward.sandbox={sandbox}: {e}. To run with less isolation, set "
+                "reward.sandbox=process (or none), or reward.require_sandbox=false to fall back "
+                "to the strongest level available"
+            ) from None
+        self.isolation = self.sandbox.isolation
+        log.info(
+            "reward %s: %s; per call: %g s wall, %g CPU-s; %d worker(s)",
+            fn_path,
+            self.isolation.describe(),
+            timeout_s,
+            self.cpu_limit_s,
+            num_workers,
+        )
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._next_id = 0
 
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait(timeout=5)
-        self._proc = None
-        self.num_restarts += 1
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> SandboxedScorer:
+        """The scorer of the `reward` config section."""
+        limits = Limits(
+            memory_bytes=int(cfg.memory_limit_gb * 2**30),
+            max_processes=cfg.max_processes,
+            max_file_bytes=int(cfg.max_file_size_mb * 2**20),
+            max_open_files=cfg.max_open_files,
+        )
+        return cls(
+            cfg.function,
+            timeout_s=cfg.timeout_s,
+            sandbox=cfg.sandbox,
+            require_sandbox=cfg.require_sandbox,
+            num_workers=cfg.num_workers,
+            limits=limits,
+            cpu_limit_s=cfg.cpu_limit_s,
+        )
 
-    def _read_line(self, timeout_s: float) -> bytes | None:
-        """One line from the worker, or None on timeout or if the worker died."""
-        assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            ready, _, _ = select.select([fd], [], [], timeout_s)
-            if not ready:
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
 
     def score(self, tasks: Sequence[ScoreTask]) -> list[RewardResult]:
-        """Score `tasks` in order. One task is in the pipe at a time, so neither pipe can fill
-        up, and each task gets exactly `timeout_s`."""
-        results: list[RewardResult] = []
-        for task in tasks:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start()
-            assert self._proc is not None and self._proc.stdin is not None
-            try:
-                self._proc.stdin.write(json.dumps(asdict(task)).encode() + b"\n")
-                line = self._read_line(self.timeout_s)
-            except BrokenPipeError:
-                line = None
-            if line is None:
-                died = self._proc.poll() is not None
-                reason = "reward worker died" if died else f"reward took over {self.timeout_s}s"
-                results.append(RewardResult(None, "infra_error" if died else "timeout", reason))
-                self._kill()
-                continue
-            value, status, reason, components = json.loads(line)
-            results.append(RewardResult(value, status, reason, components))
-        return results
+        """Score `tasks` across the workers; the results in the tasks' order. Raises
+        RuntimeError when a worker cannot start (the reward's module fails to import, say)."""
+        results: list[RewardResult | None] = [None] * len(tasks)
+        todo = deque(range(len(tasks)))
+        try:
+            while todo or any(w is not None and w.position is not None for w in self._workers):
+                self._dispatch(todo, tasks, results)
+                self._wait(results)
+        except BaseException:
+            # A worker that could not start (or an interrupt): no task stays in flight into the
+            # next call.
+            for slot, worker in enumerate(self._workers):
+                if worker is not None and worker.active:
+                    self._kill(slot, worker, restart=False)
+            raise
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _dispatch(self, todo: deque[int], tasks, results) -> None:
+        """Hand the next tasks to idle workers; start workers for tasks no worker will take."""
+        starting = sum(1 for w in self._workers if w is not None and not w.ready)
+        for slot, worker in enumerate(self._workers):
+            idle = worker is not None and worker.ready and worker.position is None
+            if idle and worker.proc.poll() is not None:
+                self._kill(slot, worker, restart=True)  # died while idle
+                worker = None
+            if worker is None and len(todo) > starting:
+                self._workers[slot] = self._start(slot)
+                starting += 1
+            elif worker is not None and worker.ready and worker.position is None and todo:
+                self._send(slot, worker, todo.popleft(), tasks, results)
 
     def close(self) -> None:
-        if self._proc is not None:
+        """Stop the workers: each exits at the end of its channel, or is killed after 2 s."""
+        for slot, worker in enumerate(self._workers):
+            if worker is None:
+                continue
+            worker.channel.close()
             try:
-                self._proc.stdin.close()  # the worker exits at end of input
-                self._proc.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-        self._proc = None
+                worker.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                Sandbox.kill(worker.proc)
+            self._workers[slot] = None
+        self.sandbox.close()
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _start(self, slot: int) -> _Worker:
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-P", "-m", "streamrl.reward.worker", self.fn_path]
+        argv += ["--channel", str(theirs.fileno()), "--cpu-per-call", str(self.cpu_limit_s)]
+        if self.isolation.on("pid namespace"):
+            argv += ["--end-leftovers", os.readlink("/proc/self/ns/pid")]
+        with theirs:
+            proc = self.sandbox.popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=[theirs.fileno()],
+            )
+        output = _OutputLog(proc.stdout, f"reward worker {slot}")
+        output.start()
+        ours.setblocking(False)
+        return _Worker(proc, ours, output, deadline=time.monotonic() + _STARTUP_TIMEOUT_S)
+
+    def _send(self, slot, worker, position, tasks, results) -> None:
+        self._next_id += 1
+        worker.task_id, worker.position = self._next_id, position
+        worker.deadline = time.monotonic() + self.timeout_s
+        frame = encode({"id": worker.task_id, **asdict(tasks[position])})
+        try:
+            worker.channel.settimeout(self.timeout_s)
+            worker.channel.sendall(frame)  # the worker reads it at once: it is idle
+        except TimeoutError:
+            self._fail(slot, worker, results, "timeout", f"reward took over {self.timeout_s}s")
+        except OSError:
+            self._fail(slot, worker, results, "infra_error", self._death(worker))
+        else:
+            worker.channel.setblocking(False)
+
+    def _wait(self, results: list[RewardResult | None]) -> None:
+        """Wait for the first frame or deadline among the active workers and handle what came."""
+        active = [(slot, w) for slot, w in enumerate(self._workers) if w is not None and w.active]
+        if not active:
+            return
+        wait_s = max(0.0, min(w.deadline for _, w in active) - time.monotonic())
+        readable, _, _ = select.select([w.channel for _, w in active], [], [], wait_s)
+        for slot, worker in active:
+            if worker.channel in readable:
+                self._read(slot, worker, results)
+            if self._workers[slot] is worker and worker.active:
+                if time.monotonic() >= worker.deadline:
+                    self._overrun(slot, worker, results)
+
+    def _read(self, slot: int, worker: _Worker, results: list[RewardResult | None]) -> None:
+        try:
+            chunk = worker.channel.recv(1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._fail(slot, worker, results, "infra_error", self._death(worker))
+            return
+        worker.buffer += chunk
+        while len(worker.buffer) >= HEADER.size and self._workers[slot] is worker:
+            (size,) = HEADER.unpack_from(worker.buffer)
+            if size > MAX_RESULT_BYTES:
+                reason = f"the reward worker sent a result of {size} bytes (the cap is {MAX_RESULT_BYTES})"
+                self._fail(slot, worker, results, "infra_error", reason)
+                return
+            if len(worker.buffer) < HEADER.size + size:
+                return
+            body = bytes(worker.buffer[HEADER.size : HEADER.size + size])
+            del worker.buffer[: HEADER.size + size]
+            try:
+                message = json.loads(body)
+            except ValueError:
+                self._fail(slot, worker, results, "infra_error", "the reward worker sent bad JSON")
+                return
+            self._handle(slot, worker, message, results)
+
+    def _handle(self, slot, worker, message, results) -> None:
+        if not worker.ready:
+            if isinstance(message, dict) and "ready" in message:
+                worker.ready = True
+                return
+            self._kill(slot, worker, restart=False)
+            error = message.get("error") if isinstance(message, dict) else None
+            raise RuntimeError(self._startup_error(worker, error or f"it sent {message!r:.200}"))
+        if not isinstance(message, dict) or message.get("id") != worker.task_id:
+            reason = "the reward worker sent a result for another task"
+            self._fail(slot, worker, results, "infra_error", reason)
+            return
+        results[worker.position] = checked(message)
+        worker.position = None
+
+    def _overrun(self, slot, worker, results) -> None:
+        if not worker.ready:
+            self._kill(slot, worker, restart=False)
+            raise RuntimeError(
+                self._startup_error(worker, f"it did not start within {_STARTUP_TIMEOUT_S}s")
+            )
+        self._fail(slot, worker, results, "timeout", f"reward took over {self.timeout_s}s")
+
+    def _fail(self, slot, worker, results, status: str, reason: str) -> None:
+        """The task in flight gets `status`; the worker is killed (restarted when needed)."""
+        if not worker.ready:
+            self._kill(slot, worker, restart=False)
+            raise RuntimeError(self._startup_error(worker, reason))
+        results[worker.position] = RewardResult(None, status, reason)  # type: ignore[arg-type]
+        self._kill(slot, worker, restart=True)
+
+    def _kill(self, slot: int, worker: _Worker, *, restart: bool) -> None:
+        Sandbox.kill(worker.proc)
+        worker.channel.close()
+        self._workers[slot] = None
+        self.num_restarts += restart
+
+    def _death(self, worker: _Worker) -> str:
+        try:
+            code = worker.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return "reward worker died (its result channel closed)"
+        return f"reward worker died (exit status {code})"
+
+    def _startup_error(self, worker: _Worker, what: str) -> str:
+        worker.output.join(timeout=1)
+        output = " | ".join(worker.output.tail)
+        hint = ""
+        as_nobody = self.isolation.mechanisms.get("unprivileged user", "").startswith("on (uid")
+        if as_nobody and any(s in what for s in ("Permission denied", "No module named")):
+            hint = (
+                " (the sandbox runs it as nobody: its module's files and directories must be "
+                "readable by others, chmod o+rX)"
+            )
+        return f"reward worker for {self.fn_path!r} could not start: {what}{hint}" + (
+            f"; its output: {output[-2000:]}" if output else ""
+        )

@@ -1,37 +1,170 @@
-"""The reward sandbox's worker process: reads tasks as JSON lines, writes results as JSON lines.
+"""The reward sandbox's worker process: scores the tasks that arrive on a private channel.
 
-Run as `python -m streamrl.reward.worker MODULE:FUNCTION MEMORY_LIMIT_BYTES` by
-`streamrl.reward.sandbox.SandboxedScorer`; exits at end of input.
+Run by `streamrl.reward.sandbox.SandboxedScorer`, inside its sandbox, as
+
+    python -P -m streamrl.reward.worker MODULE:FUNCTION --channel FD [--cpu-per-call S]
+        [--end-leftovers HOST_PID_NAMESPACE]
+
+The channel is a socket the scorer passes as file descriptor FD. Both ways it carries frames: a
+4-byte big-endian length, then that many bytes of JSON. The worker sends `{"ready": pid}` once
+the reward's module is imported (or `{"error": ...}` and exits), then answers each task
+`{"id", "response", "answer", "extra"}` with `{"id", "value", "status", "reason", "components"}`.
+stdout and stderr are the reward function's own: the scorer logs them, never reads results from
+them. The worker exits at the end of input.
+
+What leaves here is already cut to size (a reason of at most `MAX_REASON_CHARS`, at most
+`MAX_COMPONENTS` components), but the scorer checks every result again: this process runs
+untrusted code. With `--end-leftovers`, and only inside a PID namespace of its own, every process
+that a call started and left running is killed once the call returns.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import math
+import os
 import resource
-import sys
+import signal
+import socket
+import struct
+from typing import Any
 
 from streamrl.api.reward import RewardResult
 from streamrl.reward.scoring import resolve_callable, to_result
 
+HEADER = struct.Struct(">I")
+MAX_REASON_CHARS = 1000
+MAX_COMPONENTS = 64
+MAX_NAME_CHARS = 100
 
-def main() -> None:
-    fn_path, memory_limit = sys.argv[1], int(sys.argv[2])
-    if memory_limit > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    fn = resolve_callable(fn_path)
-    out = sys.stdout.buffer
-    out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        task = json.loads(line)
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def payload(result: RewardResult) -> dict[str, Any]:
+    """A result as the JSON the scorer reads, cut to size. Values are sent as they are (a NaN
+    too) for the scorer to judge; anything that is not a number is sent as its type's name."""
+    value = result.value
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        value = f"<{type(value).__name__}>"
+    reason = result.reason if isinstance(result.reason, str) else repr(result.reason)
+    if len(reason) > MAX_REASON_CHARS:
+        reason = f"{reason[:MAX_REASON_CHARS]}... ({len(reason)} characters)"
+    components = {}
+    for name, part in itertools.islice(dict(result.components).items(), MAX_COMPONENTS):
+        if isinstance(part, (int, float)):
+            components[str(name)[:MAX_NAME_CHARS]] = float(part)
+    status = result.status if isinstance(result.status, str) else repr(result.status)
+    return {"value": value, "status": status[:MAX_NAME_CHARS], "reason": reason} | {
+        "components": components
+    }
+
+
+class CpuLimitExceeded(Exception):
+    """Raised inside the reward function when its call passes its CPU seconds (SIGXCPU)."""
+
+
+def _set_cpu_budget(seconds: float) -> None:
+    """Let this call use `seconds` more CPU seconds (the soft RLIMIT_CPU; SIGXCPU past it)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard < 0 else min(soft, hard), hard))
+
+
+def _processes() -> set[int]:
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
+
+
+def _end_leftovers(spared: set[int]) -> None:
+    """SIGKILL every process of the sandbox a call left running (it cannot reach outside its
+    PID namespace), except those alive when the reward's module was imported (a helper it
+    started on purpose), then reap this process's own children."""
+    if spared:
+        for pid in _processes() - spared:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # gone already, or the namespace's init (root's): not a leftover
+    else:
         try:
-            result = to_result(fn(task["response"], task["answer"], **task["extra"]))
-        except Exception as e:  # reported to the parent as infra_error, never swallowed
-            result = RewardResult(None, "infra_error", f"{type(e).__name__}: {e}"[:200])
-        line = [result.value, result.status, result.reason, dict(result.components)]
-        out.write(json.dumps(line).encode() + b"\n")
-        out.flush()
+            os.kill(-1, signal.SIGKILL)  # all but this process and the namespace's init
+        except ProcessLookupError:
+            pass  # nothing left: the usual case
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _receive(channel: socket.socket) -> dict[str, Any] | None:
+    header = _read_exactly(channel, HEADER.size)
+    if header is None:
+        return None
+    body = _read_exactly(channel, HEADER.unpack(header)[0])
+    return None if body is None else json.loads(body)
+
+
+def _read_exactly(channel: socket.socket, size: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < size:
+        chunk = channel.recv(min(size - len(data), 1 << 20))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _score(fn, task: dict[str, Any]) -> dict[str, Any]:
+    try:
+        result = to_result(fn(task["response"], task["answer"], **task["extra"]))
+        return payload(result)
+    except Exception as e:  # reported to the scorer as infra_error, never swallowed
+        message = f"{type(e).__name__}: {e}"
+        return payload(RewardResult(None, "infra_error", message[: MAX_REASON_CHARS + 1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamrl.reward.worker")
+    parser.add_argument("function")
+    parser.add_argument("--channel", type=int, required=True)
+    parser.add_argument("--cpu-per-call", type=float)
+    parser.add_argument("--end-leftovers", metavar="HOST_PID_NAMESPACE")
+    args = parser.parse_args(argv)
+    channel = socket.socket(fileno=args.channel)
+    try:
+        fn = resolve_callable(args.function)
+    except Exception as e:  # the scorer raises it to the caller
+        channel.sendall(encode({"error": f"{type(e).__name__}: {e}"[:4000]}))
+        return 1
+    if args.cpu_per_call:
+
+        def over_cpu(signum: int, frame: object) -> None:
+            raise CpuLimitExceeded(f"the call used over {args.cpu_per_call:g} CPU seconds")
+
+        signal.signal(signal.SIGXCPU, over_cpu)
+    # Only inside a PID namespace of its own may the worker end "every other process".
+    own_namespace = (
+        args.end_leftovers is not None and os.readlink("/proc/self/ns/pid") != args.end_leftovers
+    )
+    spared = _processes() - {os.getpid(), 1} if own_namespace else set()
+    channel.sendall(encode({"ready": os.getpid()}))
+    while (task := _receive(channel)) is not None:
+        if args.cpu_per_call:
+            _set_cpu_budget(args.cpu_per_call)
+        answer = _score(fn, task)
+        channel.sendall(encode({"id": task["id"], **answer}))
+        if own_namespace:
+            _end_leftovers(spared)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
