@@ -141,7 +141,7 @@ def format_status(run_dir: Path) -> str:
     elif summary.is_file():
         state = "stopped early" if json.loads(summary.read_text())["stopped_early"] else "finished"
     else:
-        last = latest_checkpoint(run_dir)
+        last = latest_checkpoint(run_dir, checksums=False)
         state = (
             "not running, and it did not finish (it failed or was killed: the end of "
             f"logs/controller.log says which); `streamrl train --resume {run_dir}` continues it "

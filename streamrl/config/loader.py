@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from streamrl.config.renamed import new_key, translate, warn_renamed
 from streamrl.config.schema import Config
@@ -172,7 +173,9 @@ def _section_for(loc: Sequence[Any]) -> type[BaseModel] | None:
 
 
 def dump_yaml(config: Config) -> str:
-    """The resolved config as YAML, with each field's docstring as a comment above it."""
+    """The resolved config as YAML, with each field's docstring as a comment above it. A field
+    marked secret (`json_schema_extra={"secret": True}`) is written as null: it parses back as
+    unset, and the secret itself never reaches a file."""
     out: list[str] = []
     for section_name, section_field in Config.model_fields.items():
         out.append(f"# {section_field.description or ''}".rstrip())
@@ -188,6 +191,9 @@ def _dump_section(section: BaseModel, indent: str, out: list[str]) -> None:
             for doc_line in field.description.split("\n"):
                 out.append(f"{indent}# {doc_line.strip()}")
         value = getattr(section, name)
+        if _is_secret(field) and value is not None:
+            out.append(f"{indent}# (set, but a secret is not written here)")
+            value = None
         if isinstance(value, BaseModel):
             out.append(f"{indent}{name}:")
             _dump_section(value, indent + "  ", out)
@@ -195,3 +201,8 @@ def _dump_section(section: BaseModel, indent: str, out: list[str]) -> None:
         text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
         text = text.removesuffix("\n...").removesuffix("...").strip()
         out.append(f"{indent}{name}: {text}")
+
+
+def _is_secret(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("secret") is True

@@ -26,6 +26,7 @@ and trains on whole batches whose `returns` the advantage role has written (cons
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from streamrl.api import fields as F
 from streamrl.api.role import RoleBase
 from streamrl.bus.batches import BatchCollector, BatchKey
 from streamrl.trainer.algos.losses import value_loss
+from streamrl.trainer.checkpoint import fsync_dir
 from streamrl.trainer.logprobs import pack
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,8 @@ class Critic:
         return out
 
     def save(self, path: Path, **meta: Any) -> None:
-        """Model, optimizer, steps taken and `meta`, written atomically (a crash leaves the
-        old file)."""
+        """Model, optimizer, steps taken and `meta`, written atomically and flushed to disk (a
+        crash leaves the old file)."""
         tmp = path.with_suffix(".tmp")
         state = {
             "model": self.model.state_dict(),
@@ -144,8 +146,12 @@ class Critic:
             "steps": self.steps,
             "meta": meta,
         }
-        torch.save(state, tmp)
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(path)
+        fsync_dir(path.parent)
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore from `path`; return the `meta` it was saved with."""

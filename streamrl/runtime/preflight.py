@@ -152,7 +152,7 @@ def finished(run_dir: Path, steps: int) -> bool:
     """Whether the run in `run_dir` has a checkpoint of its last step (`steps`) or later."""
     from streamrl.trainer.checkpoint import latest_checkpoint, read_state
 
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_checkpoint(run_dir, checksums=False)  # the run checks them as it starts
     return checkpoint is not None and read_state(checkpoint)["next_step"] >= steps
 
 

@@ -22,7 +22,8 @@ ranks, which is what `Learner.step` assumes (it scales by world_size / global no
 - **Global metrics.** `step` sums the loss and statistics over ranks first, so every rank reports
   the whole batch's loss (the base class reports this rank's share).
 - **Checkpoints and weights.** `save_checkpoint` / `load_checkpoint` write and read a
-  `torch.distributed.checkpoint` folder (one file per rank, loadable at another world size);
+  `torch.distributed.checkpoint` folder (one file per rank, loadable at another world size,
+  read without unpickling anything but data: `safe_dcp.py`);
   `named_weights` gathers full weights to rank 0 for weight sync. All three are collectives.
 """
 
@@ -49,6 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from streamrl.trainer.learner import STAT_MEANS, Learner
+from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ class FSDPLearner(Learner):
         """Restore what `save_checkpoint` wrote, at this world size. Every rank must call it."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state, "version": self.version}
-        dcp.load(state, checkpoint_id=str(path))
+        # DCP's default reader unpickles what it reads; these refuse anything but data.
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         set_state_dict(
             self.model,
             self.optimizer,

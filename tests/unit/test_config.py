@@ -244,6 +244,26 @@ def test_dump_yaml_round_trips_a_long_string() -> None:
     assert Config.model_validate(yaml.safe_load(dump_yaml(cfg))) == cfg
 
 
+def test_dump_yaml_leaves_the_weight_token_out(tmp_path, monkeypatch) -> None:
+    tcp = ["runtime.weights.channel=tcp", "runtime.weights.bind=0.0.0.0"]
+    cfg = load_config([*tcp, "runtime.weights.token=s3cret-token"])
+    saved = tmp_path / "config.yaml"  # as the run directory keeps it
+    saved.write_text(dump_yaml(cfg))
+    assert "s3cret-token" not in saved.read_text()
+    resumed = load_config([str(saved)])
+    assert resumed.runtime.weights.token is None
+    assert resumed.model_copy(update={"runtime": cfg.runtime}) == cfg  # nothing else is lost
+    # A resumed run takes the token from the command line or the environment again; without
+    # either, a tcp run beyond loopback stops before it starts and says so.
+    again = load_config([str(saved), "runtime.weights.token=s3cret-token"])
+    assert again.runtime.weights.token == "s3cret-token"
+    from streamrl.runtime.preflight import check_paths
+
+    monkeypatch.delenv("STREAMRL_WEIGHT_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"without a token: .*\$STREAMRL_WEIGHT_TOKEN"):
+        check_paths(resumed)
+
+
 def test_dump_yaml_has_every_docstring_as_a_comment() -> None:
     comment_lines = {
         line.strip() for line in dump_yaml(Config()).splitlines() if line.strip().startswith("#")
@@ -426,13 +446,24 @@ def test_cli_refuses_a_head_size_vllms_cpu_attention_cannot_run(
     check_vllm_cpu_head_size(load_config(["rollout.engine=vllm"]))  # the default model: 32
 
 
+def fake_checkpoint(run_dir: Path, next_step: int) -> Path:
+    """A whole checkpoint as far as `--resume`'s checks look: its state, an empty trainer file
+    and the manifest of both."""
+    from streamrl.trainer.checkpoint import STATE_FILE, TRAINER_FILE, seal
+
+    folder = run_dir / "checkpoints" / f"step-{next_step:06d}"
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text(json.dumps({"next_step": next_step}))
+    (folder / TRAINER_FILE).write_bytes(b"")
+    seal(folder)
+    return folder
+
+
 def test_cli_resume_refuses_overrides_that_change_the_data_order(
     quiet_env: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "config.yaml").write_text(dump_yaml(load_config(["trainer.steps=3"])))
-    last = tmp_path / "checkpoints" / "step-000002"
-    last.mkdir(parents=True)
-    (last / "trainer_state.json").write_text('{"next_step": 2}')
+    last = fake_checkpoint(tmp_path, 2)
     before = (tmp_path / "config.yaml").read_text()
     args = ["train", "--resume", str(tmp_path), "rollout.batch_prompts=16", "data.seed=3"]
     assert main(args) == 2
@@ -495,9 +526,7 @@ def test_cli_resume_of_a_finished_run_changes_nothing(
 ) -> None:
     (tmp_path / "config.yaml").write_text(dump_yaml(load_config(["trainer.steps=3"])))
     (tmp_path / "summary.json").write_text('{"num_steps": 3}')
-    last = tmp_path / "checkpoints" / "step-000003"
-    last.mkdir(parents=True)
-    (last / "trainer_state.json").write_text('{"next_step": 3}')
+    fake_checkpoint(tmp_path, 3)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert main(["train", "--resume", str(tmp_path)]) == 0
     assert "has trained all 3 steps; nothing to do" in capsys.readouterr().err
