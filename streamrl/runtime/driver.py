@@ -56,6 +56,26 @@ class Deployment(Protocol):
     def bus_stats(self) -> dict[str, Any]: ...
 
 
+class InProcessDeployment:
+    """The part of a `Deployment` shared by the modes whose trainer and bus live in the driver's
+    process (inline, threads): `trainer`, `bus` and `role_stats` are set by the subclass."""
+
+    trainer: Any
+    bus: Any
+
+    def role_stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def records(self) -> list[dict[str, Any]]:
+        records = self.trainer.drain()
+        if records:
+            records[-1]["roles"] = self.role_stats()
+        return records
+
+    def bus_stats(self) -> dict[str, Any]:
+        return self.bus.stats()
+
+
 def drive(
     ctx: RunContext, deployment: Deployment, on_record: Callable[[dict[str, Any]], None]
 ) -> float:

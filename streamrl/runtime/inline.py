@@ -16,12 +16,12 @@ from streamrl.api.registry import bus_consumers, run_roles
 from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
 from streamrl.config.derived import bus_capacity_groups
-from streamrl.runtime.driver import drive
+from streamrl.runtime.driver import InProcessDeployment, drive
 from streamrl.runtime.roles import RoleLoop, build_role
 from streamrl.weights.channels import publisher_for
 
 
-class InlineDeployment:
+class InlineDeployment(InProcessDeployment):
     def __init__(self, trainer: Role, others: dict[str, Role], bus: LocalBus, poll_s: float):
         self.trainer = trainer
         self.others = others
@@ -37,17 +37,8 @@ class InlineDeployment:
             self._stop.wait(self.poll_s)
         return self.trainer.done
 
-    def records(self) -> list[dict[str, Any]]:
-        records = self.trainer.drain()
-        if records:
-            records[-1]["roles"] = self.role_stats()
-        return records
-
     def role_stats(self) -> dict[str, Any]:
         return {name: role.stats() for name, role in self.others.items()}
-
-    def bus_stats(self) -> dict[str, Any]:
-        return self.bus.stats()
 
 
 def run_inline(

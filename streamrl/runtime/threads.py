@@ -29,7 +29,7 @@ from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
 from streamrl.config.derived import bus_capacity_groups
 from streamrl.models.loading import set_threads
-from streamrl.runtime.driver import drive
+from streamrl.runtime.driver import InProcessDeployment, drive
 from streamrl.runtime.errors import RoleFailed, one_line
 from streamrl.runtime.roles import RoleLoop, build_role, loop_role
 from streamrl.weights.channels import publisher_for
@@ -58,7 +58,7 @@ class RoleThread:
             self._stop.set()
 
 
-class ThreadsDeployment:
+class ThreadsDeployment(InProcessDeployment):
     def __init__(self, trainer: Role, others: dict[str, RoleThread], bus, poll_s: float):
         self.trainer = trainer
         self.others = others
@@ -78,17 +78,8 @@ class ThreadsDeployment:
         self._loop.turn()
         return self.trainer.done
 
-    def records(self) -> list[dict[str, Any]]:
-        records = self.trainer.drain()
-        if records:
-            records[-1]["roles"] = self.role_stats()
-        return records
-
     def role_stats(self) -> dict[str, Any]:
         return {name: t.role.stats() for name, t in self.others.items()}
-
-    def bus_stats(self) -> dict[str, Any]:
-        return self.bus.stats()
 
 
 def run_threads(
