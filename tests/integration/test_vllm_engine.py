@@ -141,7 +141,7 @@ def test_two_engine_processes_serve_the_weights_being_trained(tmp_path):
         "rollout.vllm.in_process=false",
         "rollout.vllm.kv_cache_gib=0.25",
     )
-    assert "vllm_engines: 2" in (run_dir / "config.yaml").read_text()
+    assert "engines: 2" in (run_dir / "config.yaml").read_text()
     # The rollout role logs its stats, with the requests each engine was given, to its log in
     # the run directory.
     logs = sorted((run_dir / "logs").glob("rollout*.log"))
