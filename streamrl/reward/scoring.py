@@ -52,11 +52,6 @@ def to_result(value: Any) -> RewardResult:
     the reward under `score`, and its other entries that are numbers or booleans become the
     result's components (other entries, such as text, are not logged)."""
     if isinstance(value, RewardResult):
-        ok_value = value.value is not None and _number(value.value) is not None
-        if value.status == "ok" and not (ok_value and math.isfinite(float(value.value))):
-            return RewardResult(
-                None, "infra_error", f"reward returned {value.value} with status ok"
-            )
         return value
     if isinstance(value, Mapping):
         if "score" not in value:
