@@ -18,6 +18,7 @@ runtime never probes a role's attributes, and a role never guesses its runtime. 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,7 +76,7 @@ class Role(Protocol):
         ...
 
 
-class RoleBase:
+class RoleBase(abc.ABC):
     """Defaults for the parts of `Role` most roles do not need: subclass and write `step`."""
 
     policy: LoopPolicy = LoopPolicy()
@@ -88,11 +89,12 @@ class RoleBase:
         """How long a call of this role may block waiting for work (`LoopPolicy.wait_s`)."""
         return self.policy.wait_s
 
-    def start(self) -> None:
-        pass
+    def start(self) -> None:  # noqa: B027 - a default: most roles keep no clock
+        return None
 
+    @abc.abstractmethod
     def step(self) -> bool:
-        raise NotImplementedError
+        """One unit of work (`Role.step`)."""
 
     @property
     def done(self) -> bool:
@@ -104,5 +106,5 @@ class RoleBase:
     def drain(self) -> list[dict[str, Any]]:
         return []
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - a default: most roles hold nothing to release
+        return None

@@ -27,6 +27,7 @@ the same algorithm with no concurrency, written out as the reference.
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -56,15 +57,16 @@ class Deployment(Protocol):
     def bus_stats(self) -> dict[str, Any]: ...
 
 
-class InProcessDeployment:
+class InProcessDeployment(abc.ABC):
     """The part of a `Deployment` shared by the modes whose trainer and bus live in the driver's
     process (inline, threads): `trainer`, `bus` and `role_stats` are set by the subclass."""
 
     trainer: Any
     bus: Any
 
+    @abc.abstractmethod
     def role_stats(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Every role's counters but the trainer's."""
 
     def records(self) -> list[dict[str, Any]]:
         records = self.trainer.drain()
