@@ -54,6 +54,12 @@ class RoleSpec:
     bus_only: bool = False
     """Only the bus (or a publish) gives it work, and wakes it at once: its empty steps wait
     `runtime.idle_wait_s` instead of `runtime.claim_wait_s`."""
+    paces_run: bool = False
+    """Its steps are the run's steps (the trainer): it publishes the weights the others
+    subscribe to, its step records are the run's, the run ends when it is done, and a lost one
+    resumes from the run's checkpoint. A run has exactly one such role."""
+    restart_note: str = ""
+    """What a restarted replica continues from, for the supervisor's log line."""
     description: str = field(default="", compare=False)
 
     @property
@@ -78,7 +84,9 @@ def _has_critic(cfg: Config) -> bool:
 _ROLES: dict[str, RoleSpec] = {
     spec.name: spec
     for spec in (
-        RoleSpec("trainer", "streamrl.trainer.role:build", description="optimizer steps"),
+        RoleSpec(
+            "trainer", "streamrl.trainer.role:build", paces_run=True, description="optimizer steps"
+        ),
         RoleSpec("rollout", "streamrl.rollout.role:build", description="generation"),
         RoleSpec("reward", "streamrl.reward.role:build", torchless=True, bus_only=True),
         RoleSpec("advantage", "streamrl.trainer.advantage_role:build", bus_only=True),
@@ -89,6 +97,7 @@ _ROLES: dict[str, RoleSpec] = {
             "streamrl.critic.role:build",
             consumers=("critic", "critic_train"),  # scores new responses; trains on returns
             wanted=_has_critic,
+            restart_note="the critic continues from its newest saved state",
         ),
         RoleSpec(
             "feeder",
@@ -132,6 +141,17 @@ def role_spec(name: str) -> RoleSpec:
 def run_roles(cfg: Config) -> tuple[RoleSpec, ...]:
     """The roles of a run with this config, in build order."""
     return tuple(spec for spec in _ROLES.values() if spec.wanted(cfg))
+
+
+def pacing_role(cfg: Config) -> str:
+    """The name of the run's one role with `paces_run` (the trainer, unless a plugin replaced it)."""
+    pacers = [spec.name for spec in run_roles(cfg) if spec.paces_run]
+    if len(pacers) != 1:
+        raise ValueError(
+            f"a run needs exactly one role with RoleSpec.paces_run (its steps are the run's); "
+            f"this one has {pacers or 'none'}"
+        )
+    return pacers[0]
 
 
 def bus_consumers(cfg: Config) -> tuple[str, ...]:

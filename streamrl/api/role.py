@@ -64,7 +64,9 @@ class Role(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """Cumulative counters (`busy_s`, `tokens`, ...), read by the driver for metrics."""
+        """Cumulative counters (`busy_s`, `weights_s`, `tokens`, ...), read by the driver for
+        metrics; under `metrics`, the role's latest values of its own metrics (name -> number,
+        NaN for none yet), logged with the training step as they are."""
         ...
 
     def drain(self) -> list[dict[str, Any]]:

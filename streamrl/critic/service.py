@@ -334,4 +334,4 @@ class CriticRole(RoleBase):
         log.info("critic: restored %s (%d steps)", path, self.critic.steps)
 
     def stats(self) -> dict[str, Any]:
-        return {"busy_s": self.busy_s, "value_loss": self.last_loss}
+        return {"busy_s": self.busy_s, "metrics": {"critic/value_loss": self.last_loss}}

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl.api.registry import load_plugins
+from streamrl.api.registry import load_plugins, pacing_role
 from streamrl.config import Config, ConfigError, dump_yaml
 from streamrl.control import RunDirInUse, clear_stop, hold_run_dir, stop_on_interrupt
 from streamrl.metrics import (
@@ -112,8 +112,7 @@ class RecordSink:
                 )
             if stats.get("tokens") is not None:  # engines: tokens generated
                 role_tokens[role] = self._share(role, "tokens", stats["tokens"])
-            if role == "critic" and stats.get("value_loss") == stats.get("value_loss"):  # not NaN
-                metrics["critic/value_loss"] = stats["value_loss"]
+            metrics.update({k: v for k, v in stats.get("metrics", {}).items() if v == v})  # not NaN
         if "eval/accuracy" in metrics:
             self.last_eval = metrics["eval/accuracy"]
             if self.first_eval is None:
@@ -256,7 +255,7 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
                     raise RoleFailed(
                         f"{e}; restart budget (runtime.ray.max_restarts={cfg.runtime.ray.max_restarts}) "
                         "spent",
-                        log=log_path(run_dir, "trainer"),
+                        log=log_path(run_dir, pacing_role(cfg)),
                     ) from e
                 trainer_restarts += 1
                 checkpoint = latest_checkpoint(run_dir)
@@ -269,7 +268,7 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
                 )
         start_step = first_start
         # Restarts of every role (trainer_restarts) plus the trainer's own in place, if any.
-        in_place = role_stats.get("restarts", {}).get("trainer", 0)
+        in_place = role_stats.get("restarts", {}).get(pacing_role(cfg), 0)
         role_stats["trainer_restarts"] = trainer_restarts + in_place
         rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
         tracker.close()

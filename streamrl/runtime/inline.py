@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from streamrl.api.registry import bus_consumers, run_roles
+from streamrl.api.registry import bus_consumers, pacing_role, run_roles
 from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
 from streamrl.config.derived import bus_capacity_groups
@@ -48,12 +48,12 @@ def run_inline(
     for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     weights = publisher_for(ctx.cfg)  # in-process: one store, both sides
-    names = [spec.name for spec in run_roles(ctx.cfg)]
-    trainer = build_role("trainer", ctx, bus, weights, start_step=start_step)
+    pacer = pacing_role(ctx.cfg)
+    trainer = build_role(pacer, ctx, bus, weights, start_step=start_step)
     others = {
-        name: build_role(name, ctx, bus, weights, start_step=start_step)
-        for name in names
-        if name != "trainer"
+        spec.name: build_role(spec.name, ctx, bus, weights, start_step=start_step)
+        for spec in run_roles(ctx.cfg)
+        if spec.name != pacer
     }
     deployment = InlineDeployment(trainer, others, bus, ctx.cfg.runtime.poll_s)
     for role in (trainer, *others.values()):
@@ -64,7 +64,7 @@ def run_inline(
         for role in (*others.values(), trainer):
             role.close()
     stats = deployment.role_stats()
-    stats["trainer"] = trainer.stats()
+    stats[pacer] = trainer.stats()
     stats["bus"] = bus.stats()
     stats["train_wall_s"] = train_wall_s
     return stats

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from streamrl.api.registry import bus_consumers, load_plugins, role_spec, run_roles
+from streamrl.api.registry import bus_consumers, load_plugins, pacing_role, role_spec, run_roles
 from streamrl.api.run import RunContext
 from streamrl.config.derived import (
     bus_capacity_groups,
@@ -222,6 +222,7 @@ def run_ray(
     log.info("ray ready in %.1fs", time.perf_counter() - t0)
     rt = ctx.cfg.runtime
     specs = run_roles(ctx.cfg)
+    pacer = pacing_role(ctx.cfg)  # the trainer
     names = [
         f"{spec.name}#{i}" if i else spec.name
         for spec in specs
@@ -247,7 +248,7 @@ def run_ray(
         "torch threads: %s",
         ", ".join(
             "{} {} ({})".format(role, *role_threads(ctx.cfg, role, cores))
-            for role in ("trainer", "rollout")
+            for role in ("trainer", "rollout")  # the roles with threads of their own
         ),
     )
     supervisor: Supervisor | None = None
@@ -264,18 +265,19 @@ def run_ray(
             options = group.options(name)
         else:
             options = placement_options(role_placement(rt.ray.roles, base_role(name)))
-        if name == "trainer":
+        if name == pacer:
             args = (trainer_start["ctx"], bus, trainer_start["weights"], trainer_start["step"])
         else:
             role_ctx = ctx if role_spec(base_role(name)).reads_train_rows else lean
-            args = (role_ctx, bus, subscriber, _trainer_step(supervisor, trainer_start["step"]))
+            step = _pacer_step(supervisor, trainer_start["step"])
+            args = (role_ctx, bus, subscriber, step)
         return actor_cls.options(**options).remote(name, *args, threads, log_sink)
 
     def resume_trainer() -> str:
         """Before a lost trainer restarts in place: the checkpoint, the bus, the logs."""
         checkpoint = latest_checkpoint(ctx.run_dir)
         step = read_state(checkpoint)["next_step"] if checkpoint is not None else 0
-        released, acked = settle_trainer_rows(bus, step)
+        released, acked = settle_trainer_rows(bus, pacer, step)
         if on_rewind is not None:
             on_rewind(step)
         trainer_start.update(ctx=replace(lean, checkpoint=checkpoint), step=step)
@@ -288,7 +290,7 @@ def run_ray(
         make_actor,
         bus,
         ctx.run_dir,
-        consumers={spec.name: spec.bus_consumers for spec in specs},
+        specs={spec.name: spec for spec in specs},
         max_restarts=rt.ray.max_restarts,
         backoff_s=rt.ray.restart_backoff_s,
         health_interval_s=rt.ray.health_interval_s,
@@ -302,10 +304,10 @@ def run_ray(
         # others' start-up. Over tcp it is also created first: its weight server's address goes
         # to the others. Every other channel needs nothing from it, so all roles are built at
         # once (their imports and model loads overlap: seconds off every run's start).
-        others = [n for n in names if n != "trainer"]
+        others = [n for n in names if n != pacer]
         if rt.weights.channel == "tcp":
-            supervisor.start(["trainer"], run=False)
-            info = supervisor.info["trainer"]
+            supervisor.start([pacer], run=False)
+            info = supervisor.info[pacer]
             subscriber = subscriber_for(ctx.cfg, trainer_start["weights"], info)
             trainer_start["weights"] = restarted_publisher(ctx.cfg, trainer_start["weights"], info)
             supervisor.start(others)
@@ -313,7 +315,7 @@ def run_ray(
             subscriber = subscriber_for(ctx.cfg, trainer_start["weights"], {})
             supervisor.start(names, run=False)
             supervisor.run(others)
-        supervisor.run(["trainer"])
+        supervisor.run([pacer])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
         deployment = RayDeployment(supervisor, bus, ctx.run_dir)
         train_wall_s = drive(ctx, deployment, on_record)
@@ -332,13 +334,13 @@ def run_ray(
     return stats
 
 
-def _trainer_step(supervisor: Supervisor | None, default: int) -> int:
+def _pacer_step(supervisor: Supervisor | None, default: int) -> int:
     """The trainer's step, where a (re)started feeder continues (re-adding a live batch is a
     no-op); `default` while there is no live trainer to ask."""
-    if supervisor is None or "trainer" not in supervisor.runs:
+    if supervisor is None or supervisor.pacer not in supervisor.runs:
         return default
     try:
-        return ray.get(supervisor.actors["trainer"].stats.remote(), timeout=30)["step"]
+        return ray.get(supervisor.actors[supervisor.pacer].stats.remote(), timeout=30)["step"]
     except (RayActorError, ray.exceptions.GetTimeoutError):
         return default
 
@@ -360,13 +362,13 @@ class RayDeployment:
 
     def records(self) -> list[dict[str, Any]]:
         try:
-            records = ray.get(self.supervisor.actors["trainer"].drain.remote())
+            records = ray.get(self.supervisor.actors[self.supervisor.pacer].drain.remote())
         except RayActorError as e:
             # Restarts it in place (or raises TrainerLost: the controller restarts all).
-            self.supervisor.failed("trainer", f"process died ({type(e).__name__})")
+            self.supervisor.failed(self.supervisor.pacer, f"process died ({type(e).__name__})")
             return []
         if records:
-            records[-1]["roles"] = _role_stats(self.supervisor, exclude="trainer")
+            records[-1]["roles"] = _role_stats(self.supervisor, exclude=self.supervisor.pacer)
             self.supervisor.write_status()
         return records
 

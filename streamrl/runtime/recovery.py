@@ -30,17 +30,16 @@ from streamrl.api import fields as F
 
 log = logging.getLogger(__name__)
 
-TRAINER = "trainer"
 
-
-def settle_trainer_rows(bus, next_step: int) -> tuple[int, int]:
-    """After the trainer's loss: hand its leases back, and ack the rows of batches before
-    `next_step` (the checkpoint it resumes from covers them). Returns (leases, rows)."""
-    released = bus.release_consumer(TRAINER)
+def settle_trainer_rows(bus, consumer: str, next_step: int) -> tuple[int, int]:
+    """After the trainer's loss: hand back the leases of its bus consumer, and ack the rows of
+    batches before `next_step` (the checkpoint it resumes from covers them). Returns (leases,
+    rows)."""
+    released = bus.release_consumer(consumer)
     acked = 0
     while True:
         lease = bus.claim(
-            TRAINER, [F.PROMPT_IDS], 4096, where={"batch_index": ("<", next_step)}, lease_s=60.0
+            consumer, [F.PROMPT_IDS], 4096, where={"batch_index": ("<", next_step)}, lease_s=60.0
         )
         if lease is None:
             return released, acked

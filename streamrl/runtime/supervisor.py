@@ -26,13 +26,14 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from streamrl.api.registry import RoleSpec
 from streamrl.runtime.errors import RoleFailed, RoleNotBuilt, TrainerLost, one_line
 from streamrl.runtime.logs import log_path, supervisor_line
 from streamrl.runtime.roles import base_role
@@ -62,7 +63,7 @@ class Supervisor:
         bus,
         run_dir: Path,
         *,
-        consumers: dict[str, tuple[str, ...]],
+        specs: Mapping[str, RoleSpec],
         max_restarts: int,
         backoff_s: float,
         health_interval_s: float,
@@ -74,7 +75,8 @@ class Supervisor:
         self.make_actor = make_actor
         self.bus = bus
         self.run_dir = run_dir
-        self.consumers = consumers
+        self.specs = specs
+        self.pacer = next(name for name, spec in specs.items() if spec.paces_run)
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.health_interval_s = health_interval_s
@@ -125,10 +127,11 @@ class Supervisor:
     # -- watching ------------------------------------------------------------------------------------
 
     def check(self, timeout_s: float) -> bool:
-        """Handle roles whose loop ended; ping for health. True when the trainer finished."""
+        """Handle roles whose loop ended; ping for health. True when the pacing role (the
+        trainer) finished."""
         refs = {ref: name for name, ref in self.runs.items()}
         finished, _ = ray.wait(list(refs), timeout=timeout_s, num_returns=len(refs))
-        trainer_done = False
+        pacer_done = False
         for ref in finished:
             name = refs[ref]
             try:
@@ -143,13 +146,13 @@ class Supervisor:
             except Exception as e:  # Ray's own (an object lost, ...)
                 self.failed(name, one_line(e))
                 continue
-            if name == "trainer":
-                trainer_done = True
+            if name == self.pacer:
+                pacer_done = True
             else:
                 del self.runs[name]  # a role whose work is done (e.g. the feeder's last batch)
-        if not trainer_done:
+        if not pacer_done:
             self._health()
-        return trainer_done
+        return pacer_done
 
     def _health(self) -> None:
         now = time.monotonic()
@@ -171,11 +174,12 @@ class Supervisor:
                     self._pings[name] = (self.actors[name].ping.remote(), now)
 
     def failed(self, name: str, reason: str) -> None:
-        """Handle a role that failed: restart it, or raise (trainer, or budget spent)."""
+        """Handle a role that failed: restart it, or raise (the trainer without in-place
+        recovery, or the budget spent)."""
         self.info[name]["healthy"] = False
         self.runs.pop(name, None)
         self._pings.pop(name, None)
-        if name == "trainer" and self.resume_trainer is None:
+        if name == self.pacer and self.resume_trainer is None:
             self._event(name, reason, "resume from the latest checkpoint, restarting every role")
             self.write_status()
             raise TrainerLost(f"trainer failed: {reason}")
@@ -195,15 +199,15 @@ class Supervisor:
         except Exception:  # already gone
             pass
         restart = f"restart {used + 1}/{self.max_restarts} in {delay:.1f}s"
-        if name == "trainer":
+        if name == self.pacer:
             _wait_gone(self.actors[name])  # it may hold the tcp weight port its successor binds
             self._event(name, reason, f"{restart}, {self.resume_trainer()}")
         else:
             # With several replicas this also hands back the healthy ones' leases: safe (writes
             # are idempotent, a row is trained once), it only repeats some work.
-            base = base_role(name)
-            released = sum(self.bus.release_consumer(c) for c in self.consumers.get(base, (base,)))
-            note = " (the critic continues from its newest saved state)" if name == "critic" else ""
+            spec = self.specs[base_role(name)]
+            released = sum(self.bus.release_consumer(c) for c in spec.bus_consumers)
+            note = f" ({spec.restart_note})" if spec.restart_note else ""
             self._event(name, reason, f"{restart}; {released} leases handed back{note}")
         time.sleep(delay)
         self.start([name])

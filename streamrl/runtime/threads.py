@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from streamrl.api.registry import bus_consumers, run_roles
+from streamrl.api.registry import bus_consumers, pacing_role, run_roles
 from streamrl.api.role import Role
 from streamrl.bus.local import LocalBus
 from streamrl.config.derived import bus_capacity_groups
@@ -104,12 +104,13 @@ def run_threads(
             overlapping_calls=True,  # the local bus is thread-safe
         )
 
-    trainer = build("trainer")
+    pacer = pacing_role(ctx.cfg)
+    trainer = build(pacer)
     deployment = ThreadsDeployment(trainer, {}, bus, rt.poll_s)
     deployment.others = {
         spec.name: RoleThread(spec.name, build(spec.name), deployment.stop, rt.poll_s)
         for spec in run_roles(ctx.cfg)
-        if spec.name != "trainer"
+        if spec.name != pacer
     }
     trainer.start()
     for t in deployment.others.values():
@@ -123,7 +124,7 @@ def run_threads(
             t.role.close()
         trainer.close()
     stats = deployment.role_stats()
-    stats["trainer"] = trainer.stats()
+    stats[pacer] = trainer.stats()
     stats["bus"] = bus.stats()
     stats["train_wall_s"] = train_wall_s
     return stats

@@ -57,7 +57,7 @@ def test_a_lost_trainer_leaves_the_rows_after_its_checkpoint_for_the_next_one():
     open_lease = lost.claim("trainer", ["prompt_ids"], 1, where={"batch_index": ("==", 3)})
     assert open_lease is not None  # mid-step when it died
 
-    released, acked = settle_trainer_rows(bus, next_step=1)
+    released, acked = settle_trainer_rows(bus, "trainer", next_step=1)
     assert released == 4  # three deferred acks' leases and the open one
     assert acked == 2  # batch 0: the checkpoint covers it
     assert bus.num_groups_live() == 3
