@@ -22,12 +22,12 @@ group ids `b<k>-r<round>-p<j>`); each round is collected and returned on its own
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamrl.api.fields import group_round
+from streamrl.bus.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,16 @@ class BatchCollector:
         self._leases: dict[str, dict[BatchKey, list[str]]] = {}
         self.defer_acks = defer_acks
         self._done: dict[str, list[str]] = defaultdict(list)  # lease id -> rows of done batches
-        self._renewed = time.monotonic()
+        # Leases of done batches are held until `commit`; one that expired while the role
+        # stalled lets its rows be redone.
+        self._keeper = LeaseKeeper(
+            bus, lease_s, on_expired=lambda lease_id, e: log.warning("%s: %s", lease_id, e)
+        )
 
     def poll(self, wait_s: float = 0.0) -> tuple[BatchKey, list[Mapping[str, Any]]] | None:
         """Claim what is ready; return ((batch index, round), rows) of the oldest complete batch,
         or None. `claimed` tells whether this call took any rows."""
-        self._keep_leases()
+        self._keeper.keep(self._done)
         top = max(self.weights.latest_version(), 0) + self.max_staleness
         lease = self.bus.claim(
             self.consumer,
@@ -129,14 +133,3 @@ class BatchCollector:
                 self._rows[other] = kept
             else:
                 self._rows.pop(other, None)
-
-    def _keep_leases(self) -> None:
-        """Renew the leases of done batches (held until `commit`) every third of `lease_s`."""
-        if not self._done or time.monotonic() - self._renewed < self.lease_s / 3:
-            return
-        self._renewed = time.monotonic()
-        for lease_id in self._done:
-            try:
-                self.bus.renew(lease_id, self.lease_s)
-            except ValueError as e:  # expired while the role stalled: its rows may be redone
-                log.warning("lease %s of done batches not renewed: %s", lease_id, e)

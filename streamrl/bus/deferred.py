@@ -9,10 +9,11 @@ while their leases are renewed so the rows stay the trainer's.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from streamrl.bus.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,10 @@ class DeferredAcks:
         self._bus = bus
         self.lease_s = lease_s
         self._held: list[tuple[str, Sequence[str] | None]] = []
-        self._renewed = time.monotonic()
+        # A lease that expired while the trainer stalled: the held ack still counts.
+        self._keeper = LeaseKeeper(
+            bus, lease_s, on_expired=lambda lease_id, e: log.debug("%s: %s", lease_id, e)
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bus, name)
@@ -45,7 +49,7 @@ class DeferredAcks:
         self._held.append((lease_id, sample_ids))
 
     def claim(self, *args: Any, **kwargs: Any):
-        self._keep_leases()
+        self._keeper.keep(lease_id for lease_id, _ in self._held)
         return self._bus.claim(*args, **kwargs)
 
     def commit(self) -> int:
@@ -59,13 +63,3 @@ class DeferredAcks:
             for done in [pool.submit(self._bus.ack, *ack) for ack in held]:
                 done.result()  # a failed ack raises here, after the others were sent
         return len(held)
-
-    def _keep_leases(self) -> None:
-        if time.monotonic() - self._renewed < self.lease_s / 3:
-            return
-        self._renewed = time.monotonic()
-        for lease_id, _ in self._held:
-            try:
-                self._bus.renew(lease_id, self.lease_s)
-            except ValueError as e:  # expired while the trainer stalled: the ack still counts
-                log.debug("deferred lease %s not renewed: %s", lease_id, e)

@@ -26,6 +26,7 @@ import numpy as np
 from streamrl.api import fields as F
 from streamrl.api.bus import BusFullError
 from streamrl.api.role import LoopPolicy
+from streamrl.bus.leases import LeaseKeeper
 from streamrl.metrics.stats import summarize
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 
@@ -237,7 +238,9 @@ class TrainerRole:
         self._plan = self._new_plan()
         self._held: dict[str, list[Mapping[str, Any]]] = {}  # claimed groups not yet decided
         self._tried_round: tuple[int, int] | None = None  # (step, round) last tried
-        self._step_started = self._renewed = time.perf_counter()
+        self._step_started = time.perf_counter()
+        # Keeps the step's claimed rows leased while it waits for slow groups (or refills).
+        self._keeper = LeaseKeeper(bus, lease_s)
 
     def configure(self, policy: LoopPolicy) -> None:
         self.policy = policy
@@ -286,14 +289,6 @@ class TrainerRole:
         for lo in range(0, len(train), self.micro_batch_rows):
             self.trainer.train_microbatch(train[lo : lo + self.micro_batch_rows])
 
-    def _renew_leases(self) -> None:
-        """Keep the step's claimed rows leased while it waits for slow groups (or refills)."""
-        if time.perf_counter() - self._renewed < self.lease_s / 3:
-            return
-        for lease_id in self._leases:
-            self.bus.renew(lease_id)
-        self._renewed = time.perf_counter()
-
     def _claim(self):
         """Claim a micro-batch of whole groups of the current batch (None: none ready)."""
         return self.bus.claim(
@@ -326,7 +321,7 @@ class TrainerRole:
         self.progressed = False
         if self._plan is not None and self._plan.wants_round:
             self.progressed = self._add_round()
-        self._renew_leases()
+        self._keeper.keep(self._leases)
         if self._prefetch is not None:
             lease, self._prefetch = self._prefetch.result(), None
         else:
