@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.conftest import QUICK, REPO, cli_env, read_jsonl
@@ -69,9 +70,35 @@ def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 300):
 def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) -> None:
     """SIGKILL `role`'s process once `at_step` steps are done; wait for its replacement."""
     wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
-    pid = wait_for(proc, f"a live {role}", lambda: role_pid(run_dir, role))
-    os.kill(pid, signal.SIGKILL)
+    pid = wait_for(proc, f"a live {role}", lambda: kill_if_ours(proc, role_pid(run_dir, role)))
     wait_for(proc, f"{role} restarted", lambda: role_pid(run_dir, role) not in (None, pid))
+
+
+def kill_if_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
+    """SIGKILL `pid` and return it if it is a process of the run `proc` (a descendant); else None.
+
+    `roles.json` can name a role that died a moment ago, and pids come round within minutes on a
+    busy machine (pid_max 32768, thread ids drawn from the same numbers): a stale pid may by then
+    name another test's process or one of its threads, and a signal to a thread id kills the
+    whole process (a pytest worker then dies mid-test). A pidfd pins the process while it is
+    checked: it refuses thread ids, and a signal through it cannot reach a later holder of the
+    number."""
+    if pid is None:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None  # gone, or a thread id: not a role process
+    try:
+        ours = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
+        if pid not in ours:
+            return None
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
+    finally:
+        os.close(pidfd)
+    return pid
 
 
 def finish(proc: subprocess.Popen) -> str:
