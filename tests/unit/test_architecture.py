@@ -6,6 +6,7 @@ import cycles are checked by `lint-imports` (pyproject.toml), run by `make test`
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,18 @@ def test_a_default_run_has_the_five_roles_of_grpo() -> None:
 def test_an_unknown_role_is_named_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown role 'judge'; roles: trainer, rollout"):
         role_spec("judge")
+
+
+def test_the_run_is_paced_by_the_one_role_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamrl.api import registry
+
+    cfg = load_config([])
+    assert registry.pacing_role(cfg) == "trainer"
+    roles = dict(registry._ROLES)
+    trainer = roles.pop("trainer")
+    learner = replace(trainer, name="learner")  # a plugin's trainer under its own name
+    monkeypatch.setattr(registry, "_ROLES", {"learner": learner, **roles})
+    assert registry.pacing_role(cfg) == "learner"
+    monkeypatch.setattr(registry, "_ROLES", roles)
+    with pytest.raises(ValueError, match="exactly one role with RoleSpec.paces_run"):
+        registry.pacing_role(cfg)
