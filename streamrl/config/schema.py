@@ -570,13 +570,14 @@ class WeightsConfig(Section):
     with a fast object store); a TCP weight server in the trainer process that streams
     safetensors buckets to each engine (any network; authenticated with `token`); or a
     torch.distributed broadcast (gloo, or NCCL: `collective_backend`) from the trainer to
-    the engines, with a host copy in the object store for engines that (re)join (trusted
-    networks: the group is not authenticated)."""
+    the engines, with a host copy in the object store for engines that (re)join (joining
+    takes `token`; the broadcast itself is not authenticated: trusted networks)."""
     bind: str = "127.0.0.1"
     """tcp: address the trainer's weight server listens on; anything but loopback needs
     `token` (or $STREAMRL_WEIGHT_TOKEN). collective: the rendezvous address engines
-    connect to: loopback (only engines on the trainer's node join the group; the others use the
-    host copy), an address of the trainer's node, or 0.0.0.0 for its Ray node address."""
+    connect to, the only one it listens on: loopback (only engines on the trainer's node join
+    the group; the others use the host copy), an address of the trainer's node, or 0.0.0.0 for
+    its Ray node address; anything but loopback needs `token`."""
     port: int = Field(0, ge=0, le=65535)
     """tcp: port of the weight server (0: any free port). collective: first of 16 rendezvous
     ports taken in turn by successive groups (0: a free port for each)."""
@@ -584,8 +585,14 @@ class WeightsConfig(Section):
     """collective: torch.distributed backend of the weight group: gloo (CPU tensors, any
     machine) or nccl (GPU to GPU; the trainer and every engine need a GPU, and an engine that
     cannot join receives the host copy instead)."""
+    max_connections: int = Field(64, ge=1)
+    """tcp: most connections the trainer's weight server holds at once (a thread each; every
+    role process keeps one). Past it a connection is refused with a message naming this key and
+    the client retries; a closed or dropped one frees its slot. collective: the same cap on the
+    group's rendezvous store (one connection per engine)."""
     token: str | None = Field(None, json_schema_extra={"secret": True})
-    """tcp channel: shared secret clients must prove they hold (None: $STREAMRL_WEIGHT_TOKEN).
+    """tcp and collective channels: shared secret clients (engines joining the group) must
+    prove they hold (None: $STREAMRL_WEIGHT_TOKEN).
     A secret: never written to the run's config.yaml, so a resumed run (`--resume`) needs it
     again, from $STREAMRL_WEIGHT_TOKEN or `runtime.weights.token=...` on the command line."""
 

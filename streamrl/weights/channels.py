@@ -40,12 +40,27 @@ def publisher_for(cfg: Config) -> WeightPublisher:
     if weights.channel == "tcp":
         from streamrl.weights.remote import TcpPublisher, resolve_token
 
-        return TcpPublisher(weights.bind, weights.port, resolve_token(weights.token))
+        return TcpPublisher(
+            weights.bind,
+            weights.port,
+            resolve_token(weights.token),
+            max_connections=weights.max_connections,
+        )
     if weights.channel == "collective":
         from streamrl.weights.collective_channel import CollectivePublisher, GroupDirectory
+        from streamrl.weights.remote import resolve_token
+        from streamrl.weights.tcp import require_token_beyond_loopback
 
+        token = resolve_token(weights.token)
+        # before the directory actor exists: a refused bind leaves nothing behind
+        require_token_beyond_loopback(weights.bind, token, "serve the weight-sync group")
         return CollectivePublisher(
-            GroupDirectory.create(), weights.bind, weights.port, backend=weights.collective_backend
+            GroupDirectory.create(),
+            weights.bind,
+            weights.port,
+            backend=weights.collective_backend,
+            token=token,
+            max_connections=weights.max_connections,
         )
     from streamrl.weights.dcs import RayWeights
 
@@ -75,7 +90,7 @@ def subscriber_for(
         from streamrl.weights.collective_channel import CollectivePublisher, CollectiveSubscriber
 
         assert isinstance(publisher, CollectivePublisher), type(publisher)
-        return CollectiveSubscriber(publisher.directory)
+        return CollectiveSubscriber(publisher.directory, token=publisher.token)
     if channel != "tcp":
         return publisher  # one store serves both sides
     from streamrl.weights.remote import TcpPublisher, TcpSubscriber
@@ -97,4 +112,9 @@ def restarted_publisher(
     from streamrl.weights.remote import TcpPublisher
 
     assert isinstance(publisher, TcpPublisher), type(publisher)
-    return TcpPublisher(publisher.host, trainer_info["weights_port"], publisher.token)
+    return TcpPublisher(
+        publisher.host,
+        trainer_info["weights_port"],
+        publisher.token,
+        max_connections=publisher.max_connections,
+    )

@@ -2,8 +2,13 @@
 
 One process group of its own (NCCL on GPUs, gloo on CPU), separate from any group the trainer
 uses for training, joins the trainer's rank 0 (rank 0 here, the sender) and every engine (ranks
-1..world_size-1, the receivers). Ranks meet through a TCP store at `tcp://host:port`, served by the
-sender. A publish runs, in this order:
+1..world_size-1, the receivers). Ranks meet through a store at `tcp://host:port` that the sender
+serves (`weights/store.py`, not torch's TCPStore): it listens on `host` only, and admits a
+receiver only once it proved the shared token, by the tcp channel's handshake. A receiver with
+another token is refused at once (PermissionError); the sender then times out waiting for it
+and says so. Without a token `host` must be loopback. Gloo's own sockets listen on `host` (the
+sender) and on the address each receiver reaches the store from, not on every interface. A
+publish runs, in this order:
 
     sender                                        each receiver
     store: publish/<seq> = len(header)  ───────►  sees the key (polls the store while idle)
@@ -31,12 +36,15 @@ import torch
 import torch.distributed as dist
 
 from streamrl.weights.layout import Layout, as_flat, flatten_bucket, unflatten_bucket
+from streamrl.weights.store import LocalStore, RemoteStore, StoreServer
+from streamrl.weights.tcp import MAX_CONNECTIONS
 
 log = logging.getLogger(__name__)
 
 _KEY = "streamrl/weights/publish/"
 _CLOSED = b"closed"
 _CLOSED_ACKS = "streamrl/weights/closed_acks"
+LINGER_S = 5.0  # a store closed without waiting still serves this long
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:
@@ -59,7 +67,9 @@ class _Group:
         rank: int,
         backend: str,
         timeout_s: float,
-        store: dist.TCPStore | None = None,
+        store: StoreServer | None = None,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(
@@ -67,17 +77,67 @@ class _Group:
                 f"world_size, got world_size={world_size}, rank={rank}"
             )
         host, port = parse_init_method(init_method)
+        if host in ("0.0.0.0", "::"):
+            raise ValueError(
+                f"init_method {init_method!r}: give the address the engines connect to (it is "
+                f"the only one listened on), not an unspecified one"
+            )
         self.rank, self.world_size = rank, world_size
         timeout = timedelta(seconds=timeout_s)
+        self.server: StoreServer | None = None
+        self.store: LocalStore | RemoteStore
+        if rank == 0:
+            self.server = store or StoreServer(
+                host, port, token=token, max_connections=max_connections
+            )
+            self.store, listen = self.server.store(timeout), host
+        else:
+            try:
+                self.store = RemoteStore(host, port, token=token, timeout=timeout)
+            except PermissionError as e:
+                raise PermissionError(
+                    f"weight-sync group at {init_method} refused rank {rank}: {e}"
+                ) from e
+            except dist.DistError as e:
+                raise TimeoutError(
+                    f"weight-sync rendezvous at {init_method} failed for rank {rank} of "
+                    f"{world_size}: {e}"
+                ) from e
+            listen = self.store.local_address
         try:
-            self.store = store or dist.TCPStore(host, port, world_size, rank == 0, timeout)
-            self.pg, self.device = _process_group(backend, self.store, rank, world_size, timeout)
-        except dist.DistError as e:
+            self.pg, self.device = _process_group(
+                backend, self.store, rank, world_size, timeout, listen
+            )
+        except BaseException as e:
+            self.close()
+            if not isinstance(e, dist.DistError):
+                raise
+            refused = self.server.refused if self.server is not None else []
+            why = (
+                f"; {len(refused)} connection(s) were refused for a wrong token (from "
+                f"{', '.join(str(p[0]) for p in refused[:4])}): every engine needs the "
+                f"trainer's token"
+                if refused
+                else ""
+            )
             raise TimeoutError(
                 f"weight-sync rendezvous at {init_method} failed for rank {rank} of {world_size} "
                 f"within {timeout_s:g} s: start the sender (rank 0) and all {world_size - 1} "
-                f"engine ranks with the same init_method and world_size ({e})"
+                f"engine ranks with the same init_method and world_size{why} ({e})"
             ) from e
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Drop this rank's end of the store: the sender stops serving it (after `linger_s`, in
+        the background, so receivers can still read its last keys), a receiver disconnects."""
+        if self.server is not None:
+            if linger_s > 0:
+                timer = threading.Timer(linger_s, self.server.close)
+                timer.daemon = True
+                timer.start()
+            else:
+                self.server.close()
+        elif isinstance(self.store, RemoteStore):
+            self.store.close()
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         """Start broadcasting `tensor` from rank 0 (bytes, so every dtype works on every backend)."""
@@ -87,11 +147,16 @@ class _Group:
 
 
 def _process_group(
-    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, listen: str
 ) -> tuple[dist.ProcessGroup, torch.device]:
+    """The group over `store`; gloo's sockets listen on `listen` (not on whatever address the
+    host name resolves to, nor everywhere)."""
     pg_store = dist.PrefixStore("streamrl/weights/pg/", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(pg_store, rank, world_size, timeout), torch.device("cpu")
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=listen)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(pg_store, rank, world_size, options), torch.device("cpu")
     if backend == "nccl":
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise ValueError("backend='nccl' needs CUDA and an NCCL build of torch; use 'gloo'")
@@ -149,19 +214,24 @@ class CollectiveWeightSender:
         alone_bytes: int | None = 2**20,
         timeout_s: float = 300.0,
         max_in_flight: int = 2,
-        store: dist.TCPStore | None = None,
+        store: StoreServer | None = None,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """Blocks until all `world_size - 1` receivers joined (or `timeout_s` passed).
         `alone_bytes=None` packs every tensor into buckets. `store`: the rendezvous store this
-        process already serves at `init_method` (made with `wait_for_workers=False`, e.g. on
-        port 0 to learn a free port before the receivers are told where to join)."""
+        process already serves at `init_method` (e.g. on port 0, to learn a free port before the
+        receivers are told where to join); else one is served there, admitting only receivers
+        that hold `token` (required unless the host is loopback), at most `max_connections`."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.bucket_bytes = bucket_bytes
         self.alone_bytes = alone_bytes
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
-        self._group = _Group(init_method, world_size, 0, backend, timeout_s, store)
+        self._group = _Group(
+            init_method, world_size, 0, backend, timeout_s, store, token, max_connections
+        )
         self._staging = _Staging(self._group.device)
         self._version = -1
         self._num_publishes = 0
@@ -205,18 +275,20 @@ class CollectiveWeightSender:
 
     def close(self, wait_s: float = 10.0) -> None:
         """Tell the receivers no more versions come (their `receive` returns None), and give
-        them up to `wait_s` to see it before this process, which serves the store, goes away
-        (0: do not wait)."""
+        them up to `wait_s` to see it before the store stops (0: do not wait; the store then
+        stops LINGER_S later, in the background)."""
         self._group.store.set(f"{_KEY}{self._num_publishes}", _CLOSED)
         if wait_s <= 0:
+            self._group.close(linger_s=LINGER_S)
             return
         deadline = time.monotonic() + wait_s
         num_receivers = self._group.world_size - 1
         while self._group.store.add(_CLOSED_ACKS, 0) < num_receivers:
             if time.monotonic() > deadline:
                 log.warning("weight receivers did not all acknowledge close within %g s", wait_s)
-                return
+                break
             time.sleep(0.01)
+        self._group.close()
 
 
 class CollectiveWeightReceiver:
@@ -238,16 +310,18 @@ class CollectiveWeightReceiver:
         reference: Mapping[str, torch.Tensor] | None = None,
         max_in_flight: int = 2,
         poll_s: float = 0.002,
+        token: str | None = None,
     ) -> None:
         """`reference` (e.g. the engine model's state_dict): every version is checked against
-        its names, shapes and dtypes. Blocks until the whole group joined."""
+        its names, shapes and dtypes. Blocks until the whole group joined. `token`: the
+        sender's; with another one this raises PermissionError at once."""
         if rank == 0:
             raise ValueError("rank 0 is the sender (the trainer); engines take ranks 1..N-1")
         self.timeout_s = timeout_s
         self.reference = reference
         self.max_in_flight = max_in_flight
         self.poll_s = poll_s
-        self._group = _Group(init_method, world_size, rank, backend, timeout_s)
+        self._group = _Group(init_method, world_size, rank, backend, timeout_s, token=token)
         self._staging = _Staging(self._group.device)
         self._num_received = 0
         self._closed = False
@@ -402,3 +476,4 @@ class CollectiveWeightReceiver:
         self._closed = True
         if self._thread is not None:
             self._thread.join()
+        self._group.close()

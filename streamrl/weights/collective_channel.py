@@ -34,7 +34,17 @@ A torch.distributed group has a fixed world size, while engines restart, are add
 No engine ever waits for a group to (re)form and no version is lost: the host copy holds it. The
 price is one copy per version into the object store, which is what lets an engine start, restart
 or fall behind without a disk checkpoint. Nothing on the group's sockets is pickled (a JSON
-header, then raw bytes), but they are not authenticated: keep the group on a trusted network.
+header, then raw bytes).
+
+Joining takes the tcp channel's token (`runtime.weights.token` or $STREAMRL_WEIGHT_TOKEN, in
+the handles, never in the directory's record): the rendezvous store (`weights/store.py`) listens
+on the configured address only and admits an engine only once it proved the token; one with
+another token is refused ("could not join weight group ...: holds a different token") and takes
+the host copy, and the group does not form with it (the trainer's rendezvous times out, naming
+the refused connections, and retries later). A non-loopback `bind` needs a token. What is not
+covered: once formed, gloo's (or NCCL's) own sockets carry the weights unauthenticated, so keep
+the group on a network you trust; gloo's listen on the rendezvous address (the trainer) and the
+address each engine reaches it from, NCCL's where NCCL_SOCKET_IFNAME says.
 """
 
 from __future__ import annotations
@@ -46,11 +56,11 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from streamrl.api.weights import poll_newer
 from streamrl.weights.dcs import Bucket, RayStoreClient, _WeightStoreActor, to_buckets
+from streamrl.weights.tcp import MAX_CONNECTIONS, is_loopback, require_token_beyond_loopback
 
 log = logging.getLogger(__name__)
 
@@ -148,15 +158,24 @@ class CollectivePublisher:
         port: int,
         timeout_s: float = TIMEOUT_S,
         backend: str = "gloo",
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
+        require_token_beyond_loopback(bind, token, "serve the weight-sync group")
         self.directory, self.bind, self.port, self.timeout_s = directory, bind, port, timeout_s
-        self.backend = backend
+        self.backend, self.token, self.max_connections = backend, token, max_connections
         self._sender: _GroupSender | None = None
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         if self._sender is None:  # created in the trainer's process, not where the handle is made
             self._sender = _GroupSender(
-                self.directory, self.bind, self.port, self.timeout_s, self.backend
+                self.directory,
+                self.bind,
+                self.port,
+                self.timeout_s,
+                self.backend,
+                self.token,
+                self.max_connections,
             )
         self._sender.publish(version, named_tensors)
 
@@ -191,12 +210,13 @@ class _GroupSender:
         port: int,
         timeout_s: float,
         backend: str = "gloo",
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         import ray
 
-        from streamrl.weights.tcp import is_loopback
-
         self.directory = directory
+        self.token, self.max_connections = token, max_connections
         self.loopback = is_loopback(bind)
         self.node = ray.util.get_node_ip_address()
         if self.loopback:
@@ -263,9 +283,8 @@ class _GroupSender:
         return self.group
 
     def _form(self, old: _Epoch | None, members: tuple[str, ...]) -> None:
-        import torch.distributed as dist
-
         from streamrl.weights.collective import CollectiveWeightSender
+        from streamrl.weights.store import StoreServer
 
         if old is not None:
             _close(old)
@@ -275,16 +294,12 @@ class _GroupSender:
         number = self.directory.call("new_epoch")
         port = self.port + number % PORTS_PER_RANGE if self.port else 0
         world_size = len(members) + 1
+        store = None
         try:
-            store = dist.TCPStore(
-                self.host,
-                port,
-                world_size,
-                True,
-                timedelta(seconds=self.timeout_s),
-                wait_for_workers=False,
+            store = StoreServer(
+                self.host, port, token=self.token, max_connections=self.max_connections
             )
-            init_method = f"tcp://{self.host}:{store.port}"
+            init_method = f"tcp://{self.host}:{store.address[1]}"
             ranks = {member: rank for rank, member in enumerate(members, start=1)}
             self.directory.call(
                 "announce",
@@ -304,6 +319,8 @@ class _GroupSender:
                 backend=self.backend,
             )
         except Exception as e:  # noqa: BLE001 - the host copy carries the weights meanwhile
+            if store is not None:
+                store.close()
             delay = min(RETRY_S * 2**self._num_failed, RETRY_MAX_S)
             self._num_failed += 1
             log.warning(
@@ -346,8 +363,10 @@ class CollectiveSubscriber:
     directory every POLL_S instead: a version held there may still be on its way over the group.
     """
 
-    def __init__(self, directory: GroupDirectory, timeout_s: float = TIMEOUT_S):
-        self.directory, self.timeout_s = directory, timeout_s
+    def __init__(
+        self, directory: GroupDirectory, timeout_s: float = TIMEOUT_S, token: str | None = None
+    ):
+        self.directory, self.timeout_s, self.token = directory, timeout_s, token
         self._member: _Member | None = None
 
     def latest_version(self) -> int:
@@ -355,7 +374,7 @@ class CollectiveSubscriber:
 
     def fetch_newer(self, have_version: int) -> tuple[int, Mapping[str, Any]] | None:
         if self._member is None:
-            self._member = _Member(self.directory, self.timeout_s)
+            self._member = _Member(self.directory, self.timeout_s, self.token)
         latest, epoch = self.directory.call("state")
         if latest <= have_version:
             return None
@@ -399,11 +418,12 @@ class CollectiveSubscriber:
 class _Member:
     """Heartbeats to the directory and receives over the group it is asked to join."""
 
-    def __init__(self, directory: GroupDirectory, timeout_s: float) -> None:
+    def __init__(self, directory: GroupDirectory, timeout_s: float, token: str | None) -> None:
         import ray
 
         self.directory = directory
         self.timeout_s = timeout_s
+        self.token = token
         self.node = ray.util.get_node_ip_address()
         self.id = f"{self.node}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.epoch: int | None = None
@@ -453,6 +473,7 @@ class _Member:
                         timeout_s=self.timeout_s,
                         poll_s=0.01,
                         backend=record["backend"],
+                        token=self.token,
                     )
                 except Exception as e:  # noqa: BLE001 - the host copy serves this engine
                     log.warning("could not join weight group %d: %s", wanted, e)
@@ -466,10 +487,12 @@ class _Member:
                 continue
             except Exception as e:  # noqa: BLE001 - the group broke: back to the host copy
                 log.info("left weight group %d: %s", joined, e)
+                receiver.close()
                 receiver, self.epoch = None, None
                 continue
             if got is None:
                 log.info("weight group %d closed by the trainer", joined)
+                receiver.close()
                 receiver, self.epoch = None, None
                 continue
             log.info("weights: version %d over weight group %d", got[0], joined)

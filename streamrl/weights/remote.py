@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from streamrl.api.weights import poll_newer
-from streamrl.weights.tcp import TcpWeightClient, TcpWeightServer
+from streamrl.weights.tcp import MAX_CONNECTIONS, TcpWeightClient, TcpWeightServer
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,18 @@ def resolve_token(token: str | None) -> str | None:
 
 
 class TcpPublisher:
-    def __init__(self, host: str, port: int, token: str | None):
+    def __init__(
+        self, host: str, port: int, token: str | None, *, max_connections: int = MAX_CONNECTIONS
+    ):
         self.host, self.port, self.token = host, port, token
+        self.max_connections = max_connections
         self._server: TcpWeightServer | None = None
 
     def _live(self) -> TcpWeightServer:
         if self._server is None:
-            self._server = TcpWeightServer(self.host, self.port, token=self.token)
+            self._server = TcpWeightServer(
+                self.host, self.port, token=self.token, max_connections=self.max_connections
+            )
         return self._server
 
     @property
@@ -65,7 +70,7 @@ class TcpPublisher:
             self._server = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "token": self.token, "_server": None}
+        return {**self.__dict__, "_server": None}
 
 
 class TcpSubscriber:

@@ -11,7 +11,9 @@ only asks versions (the feeder's) never imports it.
 Wire protocol (one TCP connection per client, many requests per connection; integers big-endian):
 
     client                                    server
-    "SRW1" + client nonce (32 B)  ─────────►
+                                  ◄─────────  "+" (a slot is free), or "-" + message length (H) +
+                                              UTF-8 message (full: `max_connections` held), closed
+    "SRW2" + client nonce (32 B)  ─────────►
                                   ◄─────────  server nonce (32 B) + HMAC(token, "server" + client nonce)
     HMAC(token, "client" + server nonce) ──►
                                   ◄─────────  1 byte: 1 accepted / 0 rejected (then closed)
@@ -24,7 +26,11 @@ Wire protocol (one TCP connection per client, many requests per connection; inte
 
 HMAC-SHA256 over fresh nonces proves each side holds the shared token without sending it. With
 no token the same handshake runs with an empty key, which is why the server binds to loopback
-only unless it is given a token.
+only unless it is given a token (`require_token_beyond_loopback`).
+
+The listening, the cap on connections and the handshake are `AuthenticatedServer`'s and
+`authenticate` 's, which the collective channel's rendezvous store (`weights/store.py`) shares
+under a magic of its own: one token check for both channels.
 """
 
 from __future__ import annotations
@@ -47,9 +53,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"SRW1"
+_MAGIC = b"SRW2"
 _NONCE_BYTES = 32
 _ACCEPTED, _REJECTED = b"\x01", b"\x00"
+_READY, _FULL = b"+", b"-"
+_FULL_MESSAGE = struct.Struct("!H")
+HANDSHAKE_TIMEOUT_S = 10.0  # a client that does not prove its token by then loses its slot
+MAX_CONNECTIONS = 64
 _OP_VERSION, _OP_FETCH = b"V", b"F"
 _REQUEST = struct.Struct("!cq")  # op, have_version
 _VERSION = struct.Struct("!q")
@@ -65,8 +75,48 @@ def is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
+def require_token_beyond_loopback(host: str, token: str | None, what: str) -> None:
+    """The project's rule: a service binds to loopback unless it holds a token its clients must
+    prove. Raises ValueError naming `what` (e.g. "serve weights") when `host` breaks it."""
+    if not token and not is_loopback(host):
+        raise ValueError(
+            f"refusing to {what} on non-loopback address {host!r} without a token: set "
+            f"runtime.weights.token or $STREAMRL_WEIGHT_TOKEN (token=<shared secret>; every "
+            f"client needs the same), or bind to 127.0.0.1"
+        )
+
+
+class ServerFull(ConnectionError):
+    """The server holds its `max_connections` connections: this one was refused."""
+
+
 def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, role + nonce, sha256).digest()
+
+
+def authenticate(sock: socket.socket, key: bytes, magic: bytes, where: str) -> None:
+    """Client side of the handshake on a fresh connection to an `AuthenticatedServer`: returns
+    once the server accepted this client's proof of `key`. Raises ServerFull (the server is at
+    its cap) or PermissionError (the other side holds a different token)."""
+    status = _recv(sock, 1, f"the greeting of {where}")
+    if status == _FULL:
+        (length,) = _FULL_MESSAGE.unpack(_recv(sock, _FULL_MESSAGE.size, "the refusal"))
+        message = _recv(sock, length, "the refusal").decode(errors="replace")
+        raise ServerFull(f"{where} refused the connection: {message}")
+    if status != _READY:
+        raise ConnectionError(f"{where} is not a streamrl server (greeting {status!r})")
+    client_nonce = os.urandom(_NONCE_BYTES)
+    sock.sendall(magic + client_nonce)
+    reply = _recv(sock, _NONCE_BYTES + sha256().digest_size, f"the challenge of {where}")
+    server_nonce, proof = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
+    if not hmac.compare_digest(proof, _mac(key, b"server", client_nonce)):
+        raise PermissionError(
+            f"{where} holds a different token than this client: give both the same token "
+            f"(runtime.weights.token or $STREAMRL_WEIGHT_TOKEN)"
+        )
+    sock.sendall(_mac(key, b"client", server_nonce))
+    if _recv(sock, 1, f"the verdict of {where}") != _ACCEPTED:
+        raise PermissionError(f"{where} rejected this client's token")
 
 
 def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
@@ -98,9 +148,143 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]  # views into `blobs`, for `fetch_newer` in this process
 
 
-class TcpWeightServer:
+class AuthenticatedServer:
+    """Listens on one address, admits a client once it proved the shared token (`authenticate`
+    is the client side) and serves each admitted connection in a thread of its own, at most
+    `max_connections` at once: past that a connection is told so and closed, and a connection
+    that ends (closed, dropped, refused) frees its slot. Subclasses serve the requests."""
+
+    magic = b""  # what a client of this kind of server sends first
+    what = "serve"  # for the loopback rule's message
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        max_connections: int = MAX_CONNECTIONS,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        require_token_beyond_loopback(host, token, self.what)
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.refused: list[tuple] = []  # peers whose token check failed (either side), oldest first
+        self._key = (token or "").encode()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._closed = False
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"{type(self).__name__}-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def close(self) -> None:
+        """Stop listening and drop every client connection."""
+        self._closed = True
+        _shutdown(self._listener)
+        self._accept_thread.join()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            _shutdown(conn)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                raise
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                full = len(self._connections) >= self.max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                self._refuse_full(conn, peer)
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name="weight-client", daemon=True
+            ).start()
+
+    def _refuse_full(self, conn: socket.socket, peer: tuple) -> None:
+        """Tell `conn` why it is refused and close it. The client reads before it writes, so
+        nothing it sent is left unread (which would reset the connection, message unread)."""
+        message = (
+            f"{type(self).__name__} at {self.address[0]}:{self.address[1]} already holds "
+            f"{self.max_connections} connections (runtime.weights.max_connections); "
+            f"try again once one closes"
+        ).encode()
+        log.warning("refused %s: %d connections held", peer, self.max_connections)
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(_FULL + _FULL_MESSAGE.pack(len(message)) + message)
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the client is gone already
+        conn.close()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            with conn:
+                if self._handshake(conn, peer):
+                    self._serve_requests(conn)
+        except (ConnectionError, TimeoutError) as e:
+            if not self._closed:
+                log.info("client %s of %s disconnected: %s", peer, type(self).__name__, e)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+
+    def _handshake(self, conn: socket.socket, peer: tuple) -> bool:
+        conn.settimeout(self.handshake_timeout_s)
+        conn.sendall(_READY)
+        hello = _recv(conn, len(self.magic) + _NONCE_BYTES, "the client hello")
+        if not hello.startswith(self.magic):
+            log.warning(
+                "rejected connection from %s: not a client of %s", peer, type(self).__name__
+            )
+            return False
+        server_nonce = os.urandom(_NONCE_BYTES)
+        conn.sendall(server_nonce + _mac(self._key, b"server", hello[len(self.magic) :]))
+        try:
+            proof = _recv(conn, sha256().digest_size, "the client proof")
+        except ConnectionError:  # the client found this server's proof wrong: another token
+            log.warning("client %s of %s left at the token check", peer, type(self).__name__)
+            with self._lock:
+                self.refused.append(peer)
+            return False
+        if not hmac.compare_digest(proof, _mac(self._key, b"client", server_nonce)):
+            log.warning("rejected client %s of %s: wrong token", peer, type(self).__name__)
+            with self._lock:
+                self.refused.append(peer)
+            conn.sendall(_REJECTED)
+            return False
+        conn.sendall(_ACCEPTED)
+        return True
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class TcpWeightServer(AuthenticatedServer):
     """The DCS over TCP: the trainer's `WeightPublisher`, and a `WeightSubscriber` for an
     engine in the server's own process; clients elsewhere connect with `TcpWeightClient`."""
+
+    magic = _MAGIC
+    what = "serve weights"
 
     def __init__(
         self,
@@ -110,29 +294,16 @@ class TcpWeightServer:
         token: str | None = None,
         bucket_bytes: int = 64 * 2**20,
         send_timeout_s: float = 60.0,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """Listens at once (`port=0`: any free port, see `address`). Serving a non-loopback
-        `host` needs a `token`, which every client must also hold."""
-        if not token and not is_loopback(host):
-            raise ValueError(
-                f"refusing to serve weights on non-loopback address {host!r} without a token: "
-                f"pass token=<shared secret> (clients need the same), or bind to 127.0.0.1"
-            )
+        `host` needs a `token`, which every client must also hold. At most `max_connections`
+        clients are connected at once."""
         self.bucket_bytes = bucket_bytes
         self.send_timeout_s = send_timeout_s
-        self._key = (token or "").encode()
         self._snapshot: _Snapshot | None = None
-        self._lock = threading.Lock()
+        super().__init__(host, port, token=token, max_connections=max_connections)
         self._published = threading.Condition(self._lock)
-        self._connections: set[socket.socket] = set()
-        self._closed = False
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        self._listener = socket.create_server((host, port), family=family, backlog=64)
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="weight-server", daemon=True
-        )
-        self._accept_thread.start()
 
     # -- WeightPublisher, WeightSubscriber ------------------------------------------------------
 
@@ -181,16 +352,6 @@ class TcpWeightServer:
             )
             return self.latest_version()
 
-    def close(self) -> None:
-        """Stop listening and drop every client connection."""
-        self._closed = True
-        _shutdown(self._listener)
-        self._accept_thread.join()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            _shutdown(conn)
-
     def __enter__(self) -> TcpWeightServer:
         return self
 
@@ -198,49 +359,6 @@ class TcpWeightServer:
         self.close()
 
     # -- serving ------------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                raise
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._connections.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn, peer), name="weight-client", daemon=True
-            ).start()
-
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        try:
-            with conn:
-                if self._handshake(conn, peer):
-                    self._serve_requests(conn)
-        except (ConnectionError, TimeoutError) as e:
-            if not self._closed:
-                log.info("weight client %s disconnected: %s", peer, e)
-        finally:
-            with self._lock:
-                self._connections.discard(conn)
-
-    def _handshake(self, conn: socket.socket, peer: tuple) -> bool:
-        conn.settimeout(self.send_timeout_s)
-        hello = _recv(conn, len(_MAGIC) + _NONCE_BYTES, "the client hello")
-        if not hello.startswith(_MAGIC):
-            log.warning("rejected connection from %s: not a streamrl weight client", peer)
-            return False
-        server_nonce = os.urandom(_NONCE_BYTES)
-        conn.sendall(server_nonce + _mac(self._key, b"server", hello[len(_MAGIC) :]))
-        proof = _recv(conn, sha256().digest_size, "the client proof")
-        if not hmac.compare_digest(proof, _mac(self._key, b"client", server_nonce)):
-            log.warning("rejected weight client %s: wrong token", peer)
-            conn.sendall(_REJECTED)
-            return False
-        conn.sendall(_ACCEPTED)
-        return True
 
     def _serve_requests(self, conn: socket.socket) -> None:
         while True:
@@ -420,25 +538,11 @@ class TcpWeightClient:
             ) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            self._authenticate(sock)
+            authenticate(sock, self._key, _MAGIC, f"weight server {self._where}")
         except BaseException:
             sock.close()
             raise
         return sock
-
-    def _authenticate(self, sock: socket.socket) -> None:
-        client_nonce = os.urandom(_NONCE_BYTES)
-        sock.sendall(_MAGIC + client_nonce)
-        reply = _recv(sock, _NONCE_BYTES + sha256().digest_size, "the server's challenge")
-        server_nonce, proof = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _mac(self._key, b"server", client_nonce)):
-            raise PermissionError(
-                f"weight server {self._where} holds a different token than this client: "
-                f"give both the same token"
-            )
-        sock.sendall(_mac(self._key, b"client", server_nonce))
-        if _recv(sock, 1, "the server's verdict") != _ACCEPTED:
-            raise PermissionError(f"weight server {self._where} rejected this client's token")
 
     def close(self) -> None:
         if self._sock is not None:
