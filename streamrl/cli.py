@@ -6,6 +6,7 @@
     streamrl scale RUN_DIR ROLE=N
     streamrl stop RUN_DIR
     streamrl eval RUN_DIR|MODEL_DIR [key=value ...] [--show N] [--samples K [--temperature T]] [--json]
+    streamrl replay RUN_DIR --from-step K [--steps N] | --inspect STEP
     streamrl config show [CONFIG.yaml ...] [key=value ...]
 
 `streamrl train` with no arguments runs the embedded default: the built-in tiny model, warm
@@ -110,6 +111,27 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the figures as one JSON object (accuracy, pass_at, ...) instead of text",
     )
+    replay = sub.add_parser(
+        "replay",
+        help="train a run's recorded steps (run.record_samples=true) again from a checkpoint, "
+        "without engines, and check each step's loss and gradient norm bit for bit",
+    )
+    replay.add_argument("run_dir", metavar="RUN_DIR")
+    replay.add_argument(
+        "--from-step",
+        type=int,
+        metavar="K",
+        help="restore checkpoint K (checkpoints/step-K) and replay steps K+1..",
+    )
+    replay.add_argument(
+        "--steps", type=int, metavar="N", help="steps to replay (default: every recorded one)"
+    )
+    replay.add_argument(
+        "--inspect",
+        type=int,
+        metavar="STEP",
+        help="print step STEP's recorded samples and per-token figures instead",
+    )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -194,6 +216,42 @@ def format_logs(run_dir: Path, role: str | None, num_lines: int) -> str:
     return "\n\n".join("\n".join([f"==> {p} <==", *tail(p, num_lines)]) for p in paths)
 
 
+def replay_command(args: argparse.Namespace) -> int:
+    """`streamrl replay`: 0 when every replayed step matched its record, 1 when one did not."""
+    from rich.console import Console
+
+    from streamrl.trainer.replay import inspect_step, replay, replay_table
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml there; is it a streamrl run directory?")
+    # Whole floats in the table also when printed to a file or pipe (rich's width there is 80).
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    if args.inspect is not None:
+        inspect_step(run_dir, args.inspect, console=console)
+        return 0
+    if args.from_step is None:
+        raise ConfigError("streamrl replay needs --from-step K (a checkpoint) or --inspect STEP")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    results = replay(
+        run_dir,
+        args.from_step,
+        args.steps,
+        on_step=lambda r: console.print(
+            f"step {r.step}: loss {r.replayed_loss!r}, grad_norm {r.replayed_grad_norm!r}, "
+            + ("equal" if r.equal else "DIFFERENT")
+        ),
+    )
+    console.print(replay_table(results))
+    bad = [r.step for r in results if not r.equal]
+    if bad:
+        console.print(f"replay: steps {bad} differ from the record")
+        return 1
+    console.print(f"replay: all {len(results)} steps equal the record bit for bit")
+    return 0
+
+
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line. Overrides may follow options (`streamrl eval RUN --json
     data.num_eval=8`): argparse fills a list of positionals from their first stretch only and
@@ -255,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "logs":
             print(format_logs(Path(args.run_dir), args.role, args.n))
             return 0
+        if args.command == "replay":
+            return replay_command(args)
         if args.command == "eval":
             from streamrl.runtime.evaluation import evaluate
 

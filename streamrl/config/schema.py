@@ -645,6 +645,14 @@ class RunConfig(Section):
     plugins: list[str] = Field(default_factory=list)
     """Python modules every process of the run imports before it builds anything: they register
     roles and engines of their own (`streamrl.api.registry`; CONTRIBUTING.md)."""
+    record_samples: bool = False
+    """Record what every optimizer step trained: each micro-batch's rows as the trainer received
+    them (token ids, behaviour log-probs, versions, rewards, advantages, and pi_old / reference
+    log-probs where the loss reads them), with the step's loss and gradient norm, compressed in
+    run_dir/samples/step-<k>.npz (metric `record/bytes`; about 12 KiB a step, 1.2 MB a run, for
+    the default job). `streamrl replay RUN_DIR --from-step K` trains the recorded steps after
+    checkpoint K again, without engines, and checks their loss and gradient norm bit for bit;
+    `--inspect STEP` prints a step's samples (docs/replay.md)."""
 
 
 class Config(Section):

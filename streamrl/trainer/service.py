@@ -71,6 +71,24 @@ def is_zero(advantage: Any) -> bool:
     return not np.any(np.asarray(advantage, dtype=np.float64))
 
 
+def drop_reason(
+    r: Mapping[str, Any], version: int, max_staleness: int | None, mask_truncated: bool
+) -> str | None:
+    """Why a row received by the trainer at `version` is not trained (None: it is)."""
+    if r[F.REWARD] is None:
+        return str(r[F.REWARD_STATUS])
+    staleness = version - int(np.min(r[F.VERSIONS])) if len(r[F.VERSIONS]) else 0
+    if max_staleness is not None and staleness > max_staleness:
+        return "stale"
+    if not np.isfinite(np.asarray(r[F.ROLLOUT_LOGPROBS], dtype=np.float64)).all():
+        return "nonfinite_logprobs"  # an engine fault; never train on it
+    if r[F.ADVANTAGES] is None:  # dynamic sampling: a group with no signal
+        return "zero_variance"
+    if mask_truncated and r[F.FINISH_REASON] == "length":
+        return "truncated"  # overlong filtering: no loss, no normaliser share
+    return None
+
+
 def untrained_step_message(step: int, num_rows: int, dropped: Mapping[str, int]) -> str:
     """Why step `step` trained none of its `num_rows` samples, with what to change."""
     reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()))
@@ -110,29 +128,19 @@ class BatchTrainer:
         self.busy_s = 0.0
         self.micro_batches = 0
         self.computed_rows = 0  # through forward and backward (trained_ids counts skipped ones too)
+        # The micro-batches and dropped rows as received, as slices of `rows_seen` (what the
+        # sample record keeps: `record.Event`).
+        self.events: list[tuple[str, str | None, int, int]] = []
 
     def train_microbatch(self, rows: Sequence[Mapping[str, Any]]) -> None:
         start = time.perf_counter()
         trainable, skipped_tokens = [], 0.0
+        first = len(self.rows_seen)
         for r in rows:
             self.rows_seen.append(r)
-            if r[F.REWARD] is None:
-                self.dropped[str(r[F.REWARD_STATUS])] += 1
-                continue
-            staleness = (
-                self.learner.version - int(np.min(r[F.VERSIONS])) if len(r[F.VERSIONS]) else 0
-            )
-            if self.max_staleness is not None and staleness > self.max_staleness:
-                self.dropped["stale"] += 1
-                continue
-            if not np.isfinite(np.asarray(r[F.ROLLOUT_LOGPROBS], dtype=np.float64)).all():
-                self.dropped["nonfinite_logprobs"] += 1  # an engine fault; never train on it
-                continue
-            if r[F.ADVANTAGES] is None:  # dynamic sampling: a group with no signal
-                self.dropped["zero_variance"] += 1
-                continue
-            if self.mask_truncated and r[F.FINISH_REASON] == "length":
-                self.dropped["truncated"] += 1  # overlong filtering: no loss, no normaliser share
+            reason = drop_reason(r, self.learner.version, self.max_staleness, self.mask_truncated)
+            if reason is not None:
+                self.dropped[reason] += 1
                 continue
             self.trained_ids.append(r["sample_id"])
             if self.skip_zero_advantage and is_zero(r[F.ADVANTAGES]):
@@ -140,6 +148,7 @@ class BatchTrainer:
             else:
                 trainable.append(r)
         self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
+        self.events.append(("train", None, first, len(self.rows_seen)))
         self.micro_batches += 1
         self.computed_rows += len(trainable)
         self.busy_s += time.perf_counter() - start
@@ -147,11 +156,14 @@ class BatchTrainer:
     def drop_rows(self, rows: Sequence[Mapping[str, Any]], reason: str) -> None:
         """Rows of this step that are not trained (dynamic sampling's surplus): counted, and
         part of the step's metrics and digest."""
+        self.events.append(("drop", reason, len(self.rows_seen), len(self.rows_seen) + len(rows)))
         self.rows_seen.extend(rows)
         self.dropped[reason] += len(rows)
 
     def finish(self) -> dict[str, Any]:
-        """Optimizer step; returns the step's metrics and the ids it trained."""
+        """Optimizer step; returns the step's metrics, the ids it trained, and what it received
+        (`sample_events`: the rows and micro-batch boundaries, for the sample record; the trainer's
+        hooks take them out of the record)."""
         start = time.perf_counter()
         out = self.learner.step()
         self.busy_s += time.perf_counter() - start
@@ -191,8 +203,14 @@ class BatchTrainer:
             self.warned_untrained = True
             log.warning(untrained_step_message(self.learner.version, len(rows), self.dropped))
         digest = samples_digest(rows)
+        events = self.events
         self._reset()
-        return {"metrics": metrics, "trained_ids": trained_ids, "samples_digest": digest}
+        return {
+            "metrics": metrics,
+            "trained_ids": trained_ids,
+            "samples_digest": digest,
+            "sample_events": (rows, events),
+        }
 
 
 class TrainerRole:
