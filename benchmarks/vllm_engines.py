@@ -48,9 +48,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from streamrl.api.engine import SamplingParams
-    from streamrl.config.schema import Config
+    from streamrl.config.schema import Config, VllmConfig
     from streamrl.rollout.service import to_requests
-    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+    from streamrl.rollout.vllm_engine import VllmEngine
 
     cfg = Config().model
     model_dir, tokenizer, feeder = demo_model_and_feeder(
@@ -78,13 +78,9 @@ def main() -> None:
         engine = VllmEngine(
             model_dir,
             eos_token_id=tokenizer.eos_token_id,
-            settings=VllmSettings(
-                dtype=cfg.dtype,
-                kv_cache_gib=0.25,
-                max_num_seqs=num_rows,
-                in_process=in_process,
-                num_engines=num_engines,
-            ),
+            config=VllmConfig(kv_cache_gib=0.25, in_process=in_process, engines=num_engines),
+            model_dtype=cfg.dtype,
+            max_num_seqs=num_rows,
         )
         start_s = time.perf_counter() - started
         try:

@@ -49,9 +49,9 @@ def main() -> None:
     from streamrl.api import fields as F
     from streamrl.api.engine import SamplingParams
     from streamrl.bus.local import LocalBus
-    from streamrl.config.schema import Config
+    from streamrl.config.schema import Config, VllmConfig
     from streamrl.rollout.service import RolloutRole, to_requests
-    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+    from streamrl.rollout.vllm_engine import VllmEngine
     from streamrl.weights.dcs import InProcessWeights
 
     cfg = Config().model
@@ -62,7 +62,9 @@ def main() -> None:
     engine = VllmEngine(
         model_dir,
         eos_token_id=tokenizer.eos_token_id,
-        settings=VllmSettings(dtype=cfg.dtype, kv_cache_gib=0.5, max_num_seqs=num_rows),
+        config=VllmConfig(kv_cache_gib=0.5),
+        model_dtype=cfg.dtype,
+        max_num_seqs=num_rows,
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     weights = InProcessWeights()
@@ -75,7 +77,7 @@ def main() -> None:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        from streamrl.rollout.vllm_engine import request_seed
+        from streamrl.rollout.seeds import request_seed
 
         rows = [{"sample_id": r["sample_id"], **r["fields"]} for r in batch_rows(index)]
         requests = to_requests(rows)

@@ -8,7 +8,7 @@ their heavy objects (model, tokenizer) from it. Imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,3 +30,11 @@ class RunContext:
     """Checkpoint the trainer resumes from (None: a fresh start)."""
     num_overlong_prompts: int = 0
     """Rows of the data files left out: prompt + rollout.max_new_tokens beyond the context."""
+    cached_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
+    """The policy's tokenizer once `models.loading.policy_tokenizer` has loaded it, shared by
+    every role built from this context in this process (inline and threads mode build them all
+    from one). Never pickled, nor copied by `dataclasses.replace`: a context sent to another
+    process, or a copy, loads its own."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "cached_tokenizer": None}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from streamrl.api.run import RunContext
 from streamrl.config.derived import in_place_recovery, prompts_per_batch
-from streamrl.models.loading import load_tokenizer
+from streamrl.models.loading import policy_tokenizer
 
 
 def make_critic(ctx: RunContext):
@@ -20,7 +20,7 @@ def make_critic(ctx: RunContext):
     configure_linears(model, ctx.cfg.model.onednn_linears)
     return Critic(
         model,
-        pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
+        pad_token_id=policy_tokenizer(ctx).pad_token_id,
         lr=c.lr,
         value_clip=c.value_clip,
         grad_clip=c.grad_clip,

@@ -15,7 +15,7 @@ from streamrl.api.role import RoleBase
 from streamrl.api.run import RunContext
 from streamrl.config.derived import batches_per_step, in_place_recovery, prompts_per_batch
 from streamrl.data.feeder import PromptFeeder
-from streamrl.models.loading import load_tokenizer
+from streamrl.models.loading import policy_tokenizer
 
 
 class FeederRole(RoleBase):
@@ -67,7 +67,7 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
     cfg = ctx.cfg
     return PromptFeeder(
         ctx.train_rows,
-        load_tokenizer(ctx.policy_dir),
+        policy_tokenizer(ctx),
         batch_prompts=prompts_per_batch(cfg),
         group_size=cfg.rollout.group_size,
         seed=cfg.data.seed,

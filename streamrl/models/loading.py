@@ -32,6 +32,15 @@ def load_tokenizer(model_dir: str | Path):
     return tok
 
 
+def policy_tokenizer(ctx):
+    """The policy's tokenizer of the run `ctx` (an `api.run.RunContext`): loaded at the first
+    call, then kept in the context (`cached_tokenizer`), so the roles built from one context in
+    one process share one tokenizer. Every role gets its tokenizer through here."""
+    if ctx.cached_tokenizer is None:
+        ctx.cached_tokenizer = load_tokenizer(ctx.policy_dir)
+    return ctx.cached_tokenizer
+
+
 def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
     """Return the causal LM in `model_dir` on CPU, in `dtype`, in eval mode."""
     import torch

@@ -7,14 +7,14 @@ from typing import Any
 
 from streamrl.api.run import RunContext
 from streamrl.config.derived import rows_per_batch
-from streamrl.models.loading import load_policy_model, load_tokenizer
+from streamrl.models.loading import load_policy_model, policy_tokenizer
 from streamrl.reference.service import LogpRole, ReferenceRole
 
 
 def _scoring(ctx: RunContext) -> dict[str, Any]:
     cfg = ctx.cfg
     return {
-        "pad_token_id": load_tokenizer(ctx.policy_dir).pad_token_id,
+        "pad_token_id": policy_tokenizer(ctx).pad_token_id,
         "temperature": cfg.rollout.temperature,
         "max_rows": rows_per_batch(cfg),
         "lease_s": cfg.runtime.lease_s,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from streamrl.api.run import RunContext
 from streamrl.config.derived import rows_per_batch
-from streamrl.models.loading import load_tokenizer
+from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.sandbox import SandboxedScorer
 from streamrl.reward.service import RewardRole
 
@@ -23,7 +23,7 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> RewardRole:
     return RewardRole(
         bus,
         make_scorer(ctx),
-        load_tokenizer(ctx.policy_dir),
+        policy_tokenizer(ctx),
         invalid_penalty=cfg.reward.invalid_output_penalty,
         max_rows=rows_per_batch(cfg),
         lease_s=cfg.runtime.lease_s,

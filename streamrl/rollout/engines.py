@@ -15,7 +15,7 @@ from streamrl.api.engine import SamplingParams
 from streamrl.api.registry import engine_factory
 from streamrl.api.run import RunContext
 from streamrl.config.schema import Config
-from streamrl.models.loading import load_policy_model, load_tokenizer
+from streamrl.models.loading import load_policy_model, policy_tokenizer
 
 
 def make_engine(ctx: RunContext, model=None) -> Any:
@@ -32,7 +32,7 @@ def builtin_engine(ctx: RunContext, model=None):
     from streamrl.models.onednn import resolve_onednn
     from streamrl.rollout.builtin_engine import BuiltinEngine
 
-    tok = load_tokenizer(ctx.policy_dir)
+    tok = policy_tokenizer(ctx)
     if model is None:
         model = load_policy_model(ctx, "rollout.device")
     return BuiltinEngine(
@@ -45,44 +45,32 @@ def builtin_engine(ctx: RunContext, model=None):
 
 
 def vllm_engine(ctx: RunContext):
-    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+    from streamrl.rollout.vllm_engine import VllmEngine
 
-    r = ctx.cfg.rollout
-    settings = VllmSettings(
-        dtype=ctx.cfg.model.dtype if r.vllm.dtype == "auto" else r.vllm.dtype,
-        max_model_len=r.vllm.max_model_len,
-        max_num_seqs=r.max_batch_size,
-        kv_cache_gib=r.vllm.kv_cache_gib,
-        enforce_eager=r.vllm.enforce_eager,
-        enable_prefix_caching=r.vllm.prefix_caching,
-        in_process=r.vllm.in_process,
-        num_engines=r.vllm.engines,
-        seed=ctx.cfg.run.seed,
-        extra=dict(r.vllm.engine_kwargs),
+    cfg = ctx.cfg
+    return VllmEngine(
+        ctx.policy_dir,
+        eos_token_id=policy_tokenizer(ctx).eos_token_id,
+        config=cfg.rollout.vllm,
+        model_dtype=cfg.model.dtype,
+        max_num_seqs=cfg.rollout.max_batch_size,
+        seed=cfg.run.seed,
     )
-    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
-    return VllmEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
 
 
 def sglang_engine(ctx: RunContext):
-    """An SGLang server, launched or attached (`rollout.sglang_*`)."""
-    from streamrl.rollout.sglang_engine import DEFAULT_LAUNCH_CMD, SglangEngine, SglangSettings
+    """An SGLang server, launched or attached (`rollout.sglang`)."""
+    from streamrl.rollout.sglang_engine import SglangEngine
 
-    r = ctx.cfg.rollout
-    settings = SglangSettings(
-        url=r.sglang.url,
-        launch_cmd=tuple(r.sglang.launch_cmd or DEFAULT_LAUNCH_CMD),
-        launch_args=tuple(r.sglang.launch_args),
-        dtype=ctx.cfg.model.dtype if r.sglang.dtype == "auto" else r.sglang.dtype,
-        deterministic=r.sglang.deterministic,
-        max_running_requests=r.max_batch_size,
-        startup_timeout_s=r.sglang.startup_timeout_s,
-        request_timeout_s=r.sglang.request_timeout_s,
-        weights_dir=r.sglang.weights_dir or Path(ctx.run_dir) / "sglang",
-        weight_sync=r.sglang.weight_sync,
+    cfg = ctx.cfg
+    return SglangEngine(
+        ctx.policy_dir,
+        eos_token_id=policy_tokenizer(ctx).eos_token_id,
+        config=cfg.rollout.sglang,
+        model_dtype=cfg.model.dtype,
+        max_running_requests=cfg.rollout.max_batch_size,
+        default_weights_dir=Path(ctx.run_dir) / "sglang",
     )
-    eos_token_id = load_tokenizer(ctx.policy_dir).eos_token_id
-    return SglangEngine(ctx.policy_dir, eos_token_id=eos_token_id, settings=settings)
 
 
 def sampling_params(cfg: Config) -> SamplingParams:

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -19,9 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from streamrl.rollout.sglang_engine import SglangSettings
+    from streamrl.config.schema import SglangConfig
 
 log = logging.getLogger(__name__)
+
+DEFAULT_LAUNCH_CMD = (sys.executable, "-m", "sglang.launch_server")
+"""What starts a server when `rollout.sglang.launch_cmd` is None: SGLang with this interpreter."""
 
 
 class SglangError(RuntimeError):
@@ -274,12 +278,14 @@ def free_port() -> int:
 
 
 def launch_server(
-    model_dir: Path, settings: SglangSettings, log_dir: Path
+    model_dir: Path, config: SglangConfig, log_dir: Path, *, dtype: str, max_running_requests: int
 ) -> tuple[subprocess.Popen, str]:
-    """Start a server on a free local port and wait until /health answers; return it and its URL."""
+    """Start a server (`rollout.sglang`'s launch command and arguments, in `dtype`, at most
+    `max_running_requests` at once) on a free local port and wait until /health answers; return
+    it and its URL."""
     port = free_port()
     cmd = [
-        *settings.launch_cmd,
+        *(config.launch_cmd or DEFAULT_LAUNCH_CMD),
         "--model-path",
         str(model_dir),
         "--host",
@@ -287,13 +293,13 @@ def launch_server(
         "--port",
         str(port),
         "--dtype",
-        settings.dtype,
+        dtype,
         "--max-running-requests",
-        str(settings.max_running_requests),
+        str(max_running_requests),
     ]
-    if settings.deterministic:
+    if config.deterministic:
         cmd.append("--enable-deterministic-inference")
-    cmd += list(settings.launch_args)
+    cmd += list(config.launch_args)
     log_path = log_dir / "sglang_server.log"
     with open(log_path, "ab") as log:
         # Its own process group, so that close() stops SGLang's worker processes too.
@@ -302,7 +308,7 @@ def launch_server(
         print(f"streamrl: started process group {server.pid}: {' '.join(cmd)}", file=log)
     url = f"http://127.0.0.1:{port}"
     client = SglangClient(url, timeout_s=5.0)
-    deadline = time.monotonic() + settings.startup_timeout_s
+    deadline = time.monotonic() + config.startup_timeout_s
     while not client.healthy():
         if server.poll() is not None:
             raise SglangError(
@@ -312,7 +318,7 @@ def launch_server(
         if time.monotonic() > deadline:
             stop_process_group(server)
             raise SglangError(
-                f"the SGLang server did not answer /health within {settings.startup_timeout_s} s "
+                f"the SGLang server did not answer /health within {config.startup_timeout_s} s "
                 "(raise rollout.sglang.startup_timeout_s if it is still loading); last lines of "
                 f"{log_path}:\n{tail_of(log_path)}"
             )

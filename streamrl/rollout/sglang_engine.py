@@ -43,13 +43,11 @@ same API (`tests/fakes/sglang_server.py`); docs/engines.md says what that does a
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import queue
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -69,6 +67,8 @@ from streamrl.api.engine import (
     WeightPoll,
     check_requests,
 )
+from streamrl.config.schema import SglangConfig
+from streamrl.rollout.seeds import request_seed
 from streamrl.rollout.sglang_client import (
     BackgroundCall,
     SglangClient,
@@ -80,53 +80,10 @@ from streamrl.rollout.sglang_client import (
     stop_process_group,
 )
 
-DEFAULT_LAUNCH_CMD = (sys.executable, "-m", "sglang.launch_server")
-
 log = logging.getLogger(__name__)
 
 # One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type.
 _Output = tuple[list[int], list[float], int, str]
-
-
-@dataclass
-class SglangSettings:
-    """How the engine reaches its server; `rollout/engines.py` fills it from `rollout.sglang`."""
-
-    url: str | None = None
-    """Base URL of a running server to attach to; None launches one."""
-    launch_cmd: Sequence[str] = DEFAULT_LAUNCH_CMD
-    """Command that starts a server; the engine appends --model-path, --host, --port and more."""
-    launch_args: Sequence[str] = ()
-    """Further server arguments, e.g. ("--tp", "2", "--mem-fraction-static", "0.7")."""
-    dtype: str = "float32"
-    """`--dtype` of a launched server (the trainer's, for the smallest log-prob mismatch)."""
-    deterministic: bool = True
-    """Launch with `--enable-deterministic-inference`, without which SGLang ignores seeds."""
-    max_running_requests: int = 256
-    """Most requests in flight at once (also the launched server's --max-running-requests)."""
-    startup_timeout_s: float = 600.0
-    """How long a launched server may take to answer /health."""
-    request_timeout_s: float = 600.0
-    """Longest wait for one HTTP call (a whole generation, or a weight update)."""
-    weights_dir: str | Path | None = None
-    """Where weight snapshots (and a launched server's log) go, in a subdirectory per engine; the
-    server must be able to read it. None: a temporary directory, deleted on close."""
-    poll_s: float = 0.02
-    """How often `weight_poll` is asked while requests run."""
-    weight_sync: str = "disk"
-    """How weights reach the server: "disk" (safetensors snapshot + /update_weights_from_disk) or
-    "distributed" (torch.distributed broadcast + /update_weights_from_distributed)."""
-    weight_sync_backend: str | None = None
-    """Backend of the distributed weight group: "nccl" or "gloo"; None: nccl when this process
-    has CUDA, else gloo."""
-    weight_sync_address: str | None = None
-    """Address of this process as the server's workers reach it (the group's master address);
-    None: the local address of the route to the server (127.0.0.1 for a local server)."""
-    weight_sync_port: int = 0
-    """Port of the group's TCP store, served by this process; 0 picks a free one."""
-    tp_size: int | None = None
-    """The server's tensor-parallel size (the group has 1 + tp_size ranks); None asks the server
-    (/server_info, /get_server_info), else reads --tp/--tp-size of `launch_args`, else 1."""
 
 
 @dataclass
@@ -146,37 +103,80 @@ class _Sequence:
 class SglangEngine:
     """A rollout engine backed by an SGLang server (`rollout.engine=sglang`)."""
 
-    def __init__(self, model_dir: str | Path, *, eos_token_id: int, settings: SglangSettings):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        eos_token_id: int,
+        config: SglangConfig,
+        model_dtype: str = "float32",
+        max_running_requests: int = 256,
+        default_weights_dir: str | Path | None = None,
+        poll_s: float = 0.02,
+        weight_sync_backend: str | None = None,
+        weight_sync_address: str | None = None,
+        weight_sync_port: int = 0,
+        tp_size: int | None = None,
+    ):
+        """`config` is the `rollout.sglang` section. The values from other sections:
+        `model_dtype` (`model.dtype`, a launched server's `--dtype` when `config.dtype` is auto),
+        `max_running_requests` (`rollout.max_batch_size`: most requests in flight at once, also a
+        launched server's --max-running-requests) and `default_weights_dir` (where weight
+        snapshots, and a launched server's log, go when `config.weights_dir` is None: a
+        subdirectory per engine; None: a temporary directory, deleted on close).
+
+        Not in the config: `poll_s`, how often `weight_poll` is asked while requests run; and for
+        `weight_sync="distributed"`, `weight_sync_backend` ("nccl" or "gloo"; None: nccl when
+        this process has CUDA, else gloo), `weight_sync_address` (this process's address as the
+        server's workers reach it, the group's master address; None: the local address of the
+        route to the server), `weight_sync_port` (of the group's TCP store, served by this
+        process; 0 picks a free one) and `tp_size` (the server's tensor-parallel size, the group
+        has 1 + tp_size ranks; None asks the server, else reads --tp/--tp-size of
+        `config.launch_args`, else 1)."""
         self.eos_token_id = eos_token_id
-        self.settings = settings
+        self.config = config
+        self.dtype = model_dtype if config.dtype == "auto" else config.dtype
+        self.max_running_requests = max_running_requests
+        self.poll_s = poll_s
+        self.weight_sync_backend = weight_sync_backend
+        self.weight_sync_address = weight_sync_address
+        self.weight_sync_port = weight_sync_port
+        self.tp_size = tp_size
         self.vocab_size = _vocab_size(Path(model_dir))
         """Prompt ids are checked against it before anything is sent; None (no local model
         directory to read it from) leaves that to the server (recent SGLang answers HTTP 400)."""
         # A directory of its own: several engines (rollout replicas) may share `weights_dir`.
-        self._own_weights_dir = settings.weights_dir is None
-        if settings.weights_dir is None:
+        weights_dir = config.weights_dir or default_weights_dir
+        self._own_weights_dir = weights_dir is None
+        if weights_dir is None:
             self.weights_dir = Path(tempfile.mkdtemp(prefix="streamrl-sglang-"))
         else:
-            base = Path(settings.weights_dir).resolve()
+            base = Path(weights_dir).resolve()
             self.weights_dir = base / f"engine-{uuid.uuid4().hex[:8]}"
             self.weights_dir.mkdir(parents=True)
         self._version = 0
         self._epoch = 0  # bumped by every in-flight update
         self._snapshot: Path | None = None
-        if settings.weight_sync not in ("disk", "distributed"):
+        if config.weight_sync not in ("disk", "distributed"):
             raise ValueError(
-                f"weight_sync must be 'disk' or 'distributed', got {settings.weight_sync!r}"
+                f"weight_sync must be 'disk' or 'distributed', got {config.weight_sync!r}"
             )
         self._group: WeightGroup | None = None  # the distributed weight group, once made
         self.num_weight_updates = 0
         self.num_continuations = 0
         self.server: subprocess.Popen | None = None
-        if settings.url is None:
-            self.server, url = launch_server(Path(model_dir), settings, self.weights_dir)
+        if config.url is None:
+            self.server, url = launch_server(
+                Path(model_dir),
+                config,
+                self.weights_dir,
+                dtype=self.dtype,
+                max_running_requests=max_running_requests,
+            )
             atexit.register(self.close)
         else:
-            url = settings.url
-        self.client = SglangClient(url, settings.request_timeout_s)
+            url = config.url
+        self.client = SglangClient(url, config.request_timeout_s)
         try:
             self.model_info = self._model_info()
         except BaseException:
@@ -193,9 +193,9 @@ class SglangEngine:
 
     def load_weights(self, version: int, named_tensors: Mapping[str, Any]) -> None:
         """Have the server load the tensors (flushing its cache): through a safetensors snapshot
-        or a broadcast, per `settings.weight_sync`. Between batches; during a batch, `generate`
+        or a broadcast, per `config.weight_sync`. Between batches; during a batch, `generate`
         pauses the server first."""
-        if self.settings.weight_sync == "distributed":
+        if self.config.weight_sync == "distributed":
             self._load_weights_distributed(version, named_tensors)
         else:
             self._load_weights_from_disk(version, named_tensors)
@@ -242,17 +242,16 @@ class SglangEngine:
     def _init_weight_group(self) -> WeightGroup:
         """Make the weight group: serve its store, have the server join (/init_weights_update_
         group, on a thread) and join it as rank 0."""
-        s = self.settings
-        backend = s.weight_sync_backend or ("nccl" if cuda_available() else "gloo")
-        tp_size = s.tp_size or self._server_tp_size()
-        address = s.weight_sync_address or address_toward(self.url)
+        backend = self.weight_sync_backend or ("nccl" if cuda_available() else "gloo")
+        tp_size = self.tp_size or self._server_tp_size()
+        address = self.weight_sync_address or address_toward(self.url)
         group = WeightGroup.serve(
             f"streamrl-{uuid.uuid4().hex[:12]}",
             backend,
             address,
-            s.weight_sync_port,
+            self.weight_sync_port,
             1 + tp_size,
-            s.request_timeout_s,
+            self.config.request_timeout_s,
         )
         payload = {
             "master_address": address,
@@ -278,7 +277,7 @@ class SglangEngine:
                 continue
             if isinstance(info, dict) and isinstance(info.get("tp_size"), int):
                 return info["tp_size"]
-        args = list(self.settings.launch_args)
+        args = list(self.config.launch_args)
         for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
             if flag in args[:-1]:
                 return int(args[args.index(flag) + 1])
@@ -302,7 +301,7 @@ class SglangEngine:
         outcomes: queue.Queue[tuple[_Sequence, str, _Output | Exception]] = queue.Queue()
         running: dict[str, _Sequence] = {}  # SGLang request id -> sequence
         results: dict[str, GenerationResult] = {}
-        num_workers = min(len(requests), self.settings.max_running_requests)
+        num_workers = min(len(requests), self.max_running_requests)
         pool = ThreadPoolExecutor(num_workers, thread_name_prefix="sglang-generate")
         last_poll = time.monotonic()
         try:
@@ -315,7 +314,7 @@ class SglangEngine:
                 if finished and on_finished is not None:
                     on_finished([results[seq.request.request_id] for seq in finished])
                 if weight_poll is not None and running:
-                    if time.monotonic() - last_poll >= self.settings.poll_s:
+                    if time.monotonic() - last_poll >= self.poll_s:
                         last_poll = time.monotonic()
                         update = weight_poll()
                         if update is not None:
@@ -389,7 +388,7 @@ class SglangEngine:
         `waiting` as continuations; returns the sequences that are complete."""
         returned = []
         try:
-            returned.append(outcomes.get(timeout=self.settings.poll_s))
+            returned.append(outcomes.get(timeout=self.poll_s))
             while True:
                 returned.append(outcomes.get_nowait())
         except queue.Empty:
@@ -464,12 +463,6 @@ class SglangEngine:
                 f"the SGLang server at {self.url} does not serve a generative model: {info!r}"
             )
         return info
-
-
-def request_seed(seed: int, key: str) -> int:
-    """SGLang's per-request `sampling_seed`: a stable 63-bit hash of (run seed, request key)."""
-    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Output:

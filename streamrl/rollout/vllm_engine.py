@@ -3,8 +3,7 @@
 Token ids go in, token ids come out with the log-prob of every sampled token and the policy
 version that produced it. How one `vllm.LLM` is started, fed and reloaded (processed log-probs,
 per-request seeds, synchronous scheduling, in-place weight reload) is `rollout/vllm_replica.py`;
-this module is the generation loop over `VllmSettings.num_engines` of them
-(`rollout.vllm.engines`).
+this module is the generation loop over `rollout.vllm.engines` of them.
 
 Each vLLM request reports once, when it finishes: per-step outputs would cost more than a small
 model's forward pass. An in-flight weight update (the protocol's `weight_poll`, asked between
@@ -39,17 +38,11 @@ from streamrl.api.engine import (
     WeightPoll,
     check_requests,
 )
+from streamrl.config.schema import VllmConfig
 from streamrl.rollout.balancer import LeastLoaded, Unit, group_by_prompt
-from streamrl.rollout.vllm_replica import (
-    Replica,
-    SequenceState,
-    VllmSettings,
-    as_tensor,
-    engine_envs,
-    request_seed,
-)
+from streamrl.rollout.vllm_replica import Replica, SequenceState, as_tensor, engine_envs
 
-__all__ = ["CPU_HEAD_SIZES", "VllmEngine", "VllmSettings", "request_seed"]
+__all__ = ["CPU_HEAD_SIZES", "VllmEngine"]
 
 # Head dimensions vLLM's CPU attention runs (vLLM 0.32, `CPUAttentionBackend.
 # get_supported_head_sizes`; a unit test checks the installed vLLM says the same). Kept here
@@ -63,26 +56,51 @@ _num_in_process_open = 0
 
 
 class VllmEngine:
-    """A rollout engine backed by vLLM (`rollout.engine=vllm`): `settings.num_engines` vLLM
-    engines, requests routed to the least-loaded one, weights loaded into all of them."""
+    """A rollout engine backed by vLLM (`rollout.engine=vllm`): `config.engines` vLLM engines,
+    requests routed to the least-loaded one, weights loaded into all of them.
 
-    def __init__(self, model_dir: str | Path, *, eos_token_id: int, settings: VllmSettings):
+    `config` is the `rollout.vllm` section; the values from other sections come separately:
+    `model_dtype` (`model.dtype`, what `config.dtype="auto"` runs in), `max_num_seqs` (vLLM's,
+    `rollout.max_batch_size`: per engine) and `seed` (vLLM's global seed, `run.seed`; the
+    per-request seeds decide the samples)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        eos_token_id: int,
+        config: VllmConfig,
+        model_dtype: str = "float32",
+        max_num_seqs: int = 256,
+        seed: int = 0,
+    ):
         global _num_in_process_open
-        if settings.num_engines < 1:
-            raise ValueError(f"VllmSettings.num_engines must be >= 1, got {settings.num_engines}")
+        if config.engines < 1:
+            raise ValueError(f"rollout.vllm.engines must be >= 1, got {config.engines}")
         self.eos_token_id = eos_token_id
-        self.settings = settings
+        self.config = config
+        self.dtype = model_dtype if config.dtype == "auto" else config.dtype
+        self.max_num_seqs = max_num_seqs
         self.replicas: list[Replica] = []
         try:
-            for index, env in enumerate(engine_envs(settings)):
-                self.replicas.append(Replica(index, Path(model_dir), settings, env))
-                _num_in_process_open += self.replicas[-1].workers_in_process
+            for index, env in enumerate(engine_envs(config)):
+                replica = Replica(
+                    index,
+                    Path(model_dir),
+                    config,
+                    env,
+                    dtype=self.dtype,
+                    max_num_seqs=max_num_seqs,
+                    seed=seed,
+                )
+                self.replicas.append(replica)
+                _num_in_process_open += replica.workers_in_process
         except BaseException:
             self.close()
             raise
         self.max_model_len = min(r.max_model_len for r in self.replicas)
         self.vocab_size: int = self.replicas[0].engine.model_config.get_vocab_size()
-        self.balancer = LeastLoaded(len(self.replicas), capacity=settings.max_num_seqs)
+        self.balancer = LeastLoaded(len(self.replicas), capacity=max_num_seqs)
         self.num_weight_updates = 0
         self.num_continuations = 0
 

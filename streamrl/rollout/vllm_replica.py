@@ -26,7 +26,6 @@ they travel as one safetensors blob.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,32 +36,8 @@ from typing import Any
 import numpy as np
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
-
-
-@dataclass
-class VllmSettings:
-    """How the `vllm.LLM`s are built; `rollout/engines.py` fills it from `rollout.vllm`."""
-
-    dtype: str = "float32"
-    """Weights and compute dtype (the trainer's, for the smallest log-prob mismatch)."""
-    max_model_len: int | None = None
-    """Longest prompt + response; None: the model's `max_position_embeddings`."""
-    max_num_seqs: int = 256
-    """Most sequences one vLLM engine decodes at once."""
-    kv_cache_gib: float = 1.0
-    """KV cache size in GiB per engine (per device on GPUs, in host memory on CPU)."""
-    enforce_eager: bool = True
-    """No torch.compile / CUDA graphs: fast start, what CPU runs want."""
-    enable_prefix_caching: bool = True
-    """Share the prompt's attention cache between the samples of a group."""
-    in_process: bool = True
-    """Run vLLM's engine core in this process (fast start, tensors passed by reference)."""
-    num_engines: int = 1
-    """vLLM engines behind this rollout engine, requests routed to the least-loaded one."""
-    seed: int = 0
-    """vLLM's own global seed (per-request seeds decide the samples)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Further keyword arguments for `vllm.LLM` (for example `tensor_parallel_size`)."""
+from streamrl.config.schema import VllmConfig
+from streamrl.rollout.seeds import request_seed
 
 
 @dataclass
@@ -102,15 +77,27 @@ class SequenceState:
 class Replica:
     """One `vllm.LLM`, the weight version it holds and the sequences it runs now."""
 
-    def __init__(self, index: int, model_dir: Path, settings: VllmSettings, env: dict[str, str]):
+    def __init__(
+        self,
+        index: int,
+        model_dir: Path,
+        config: VllmConfig,
+        env: dict[str, str],
+        *,
+        dtype: str,
+        max_num_seqs: int,
+        seed: int,
+    ):
         self.index = index
-        self.llm = start_llm(model_dir, settings, env)
+        self.llm = start_llm(
+            model_dir, config, env, dtype=dtype, max_num_seqs=max_num_seqs, seed=seed
+        )
         self.engine = self.llm.llm_engine
         self.max_model_len: int = self.engine.model_config.max_model_len
         # Tensors can be handed to the worker by reference only when it runs in this process;
         # across processes vLLM's RPC cannot pickle them, so they travel as safetensors bytes.
         backend = self.engine.vllm_config.parallel_config.distributed_executor_backend
-        self.workers_in_process = settings.in_process and backend == "uni"
+        self.workers_in_process = config.in_process and backend == "uni"
         self.version = 0
         self.running: dict[str, SequenceState] = {}
 
@@ -195,13 +182,7 @@ class Replica:
         return list(state.detokenizer.output_token_ids), state.logprobs_processor.logprobs
 
 
-def request_seed(seed: int, key: str) -> int:
-    """vLLM's per-request sampling seed: a stable 63-bit hash of (run seed, request key)."""
-    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def engine_envs(settings: VllmSettings) -> list[dict[str, str]]:
+def engine_envs(config: VllmConfig) -> list[dict[str, str]]:
     """Environment variables each engine's processes start with.
 
     In-process engines share this process and need none. Engines with their own processes split
@@ -209,13 +190,13 @@ def engine_envs(settings: VllmSettings) -> list[dict[str, str]]:
     `pipeline_parallel_size` each, through `CUDA_VISIBLE_DEVICES`), on CPU the torch threads
     (`OMP_NUM_THREADS`, at least one each), so N engines do not each start a thread per core.
     """
-    n = settings.num_engines
-    if settings.in_process:
+    n = config.engines
+    if config.in_process:
         return [{} for _ in range(n)]
     devices = _visible_gpus()
     if devices:
-        per_engine = int(settings.extra.get("tensor_parallel_size", 1)) * int(
-            settings.extra.get("pipeline_parallel_size", 1)
+        per_engine = int(config.engine_kwargs.get("tensor_parallel_size", 1)) * int(
+            config.engine_kwargs.get("pipeline_parallel_size", 1)
         )
         if n * per_engine > len(devices):
             raise ValueError(
@@ -258,11 +239,21 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def start_llm(model_dir: Path, settings: VllmSettings, env: Mapping[str, str]):
-    """Build one `vllm.LLM`, keeping this process's torch thread settings as they were."""
+def start_llm(
+    model_dir: Path,
+    config: VllmConfig,
+    env: Mapping[str, str],
+    *,
+    dtype: str,
+    max_num_seqs: int,
+    seed: int,
+):
+    """Build one `vllm.LLM` from `rollout.vllm`, in `dtype` (`config.dtype` resolved), decoding
+    at most `max_num_seqs` sequences at once, with vLLM's global `seed`; keeps this process's
+    torch thread settings as they were."""
     import torch
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.in_process else "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm.envs
     from vllm import LLM
@@ -276,12 +267,12 @@ def start_llm(model_dir: Path, settings: VllmSettings, env: Mapping[str, str]):
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
-        enforce_eager=settings.enforce_eager,
-        enable_prefix_caching=settings.enable_prefix_caching,
+        dtype=dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.prefix_caching,
         logprobs_mode="processed_logprobs",
         async_scheduling=False,
         # A prompt split across steps (chunked prefill) makes vLLM rewind the request's sampling
@@ -289,11 +280,11 @@ def start_llm(model_dir: Path, settings: VllmSettings, env: Mapping[str, str]):
         # per-request seeds, prompts are scheduled whole.
         enable_chunked_prefill=False,
         worker_extension_cls=f"{__name__}.WorkerExtension",
-        seed=settings.seed,
+        seed=seed,
     )
-    if settings.in_process:
+    if config.in_process:
         kwargs["distributed_executor_backend"] = "uni"
-    kwargs.update(settings.extra)
+    kwargs.update(config.engine_kwargs)
     try:
         with _environment(env):
             llm = LLM(**kwargs)

@@ -20,7 +20,7 @@ from streamrl.api.reward import RewardResult
 from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
-from streamrl.models.loading import load_tokenizer
+from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.role import make_scorer
 from streamrl.reward.sandbox import ScoreTask
 from streamrl.rollout.engines import builtin_engine
@@ -204,7 +204,7 @@ class Evaluator:
     over the same model object."""
 
     def __init__(self, ctx: RunContext, model):
-        tokenizer = load_tokenizer(ctx.policy_dir)
+        tokenizer = policy_tokenizer(ctx)
         chat = ctx.cfg.data.chat_template
         self.held_out = HeldOut(
             engine=builtin_engine(ctx, model),

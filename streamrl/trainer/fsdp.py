@@ -1,7 +1,7 @@
 """FSDP2 training of a Hugging Face causal LM: sharding, bf16, activation checkpointing,
 distributed checkpoints, and full weights for weight sync.
 
-    load_causal_lm(dir) ──> shard_model(model, mesh, FSDPSettings) ──> FSDPLearner(model, ...)
+    load_causal_lm(dir) ──> shard_model(model, mesh, ...) ──> FSDPLearner(model, ...)
                             │ fully_shard(decoder layer) for each layer, then fully_shard(root)
                             │ parameters become DTensors sharded on dim 0 over the mesh
                             ▼
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +50,6 @@ from torch.utils.checkpoint import checkpoint
 
 from streamrl.trainer.learner import STAT_MEANS, Learner
 from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
-
-
-@dataclass(frozen=True)
-class FSDPSettings:
-    mixed_precision: bool = False
-    """Compute in bf16 (parameters all-gathered as bf16), reduce gradients in fp32. The sharded
-    parameters, gradients and optimizer state stay fp32."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of keeping them."""
-    reshard_after_forward: bool = True
-    """Free each layer's gathered parameters after its forward (ZeRO-3); False keeps them until
-    backward (ZeRO-2 like: more memory, one all-gather fewer per layer)."""
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, *, device: str = "cpu") -> None:
@@ -97,25 +84,37 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, settings: FSDPSettings = FSDPSettings()
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each decoder layer is one all-gather unit, the root
     holds the rest (embeddings, final norm, output layer; tied weights stay tied). Build the
-    optimizer after this call: the parameters are replaced by DTensors."""
+    optimizer after this call: the parameters are replaced by DTensors.
+
+    `mixed_precision` (`trainer.mixed_precision`): compute in bf16 (parameters all-gathered as
+    bf16), reduce gradients in fp32; the sharded parameters, gradients and optimizer state stay
+    fp32. `activation_checkpointing` (`trainer.activation_checkpointing`): recompute each decoder
+    layer's activations in backward instead of keeping them. `reshard_after_forward`: free each
+    layer's gathered parameters after its forward (ZeRO-3); False keeps them until backward
+    (ZeRO-2 like: more memory, one all-gather fewer per layer)."""
     layers = decoder_layers(model)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if settings.mixed_precision
+        if mixed_precision
         else MixedPrecisionPolicy()
     )
     for layer in layers:
-        if settings.activation_checkpointing:
+        if activation_checkpointing:
             checkpoint_layer(layer)
         fully_shard(
             layer,
             mesh=mesh,
             mp_policy=policy,
-            reshard_after_forward=settings.reshard_after_forward,
+            reshard_after_forward=reshard_after_forward,
         )
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -45,14 +45,9 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
+from streamrl.config.schema import TrainerConfig
 from streamrl.models.loading import load_causal_lm
-from streamrl.trainer.fsdp import (
-    FSDPLearner,
-    FSDPSettings,
-    data_parallel_mesh,
-    init_distributed,
-    shard_model,
-)
+from streamrl.trainer.fsdp import FSDPLearner, data_parallel_mesh, init_distributed, shard_model
 from streamrl.trainer.microbatch import plan_step
 
 log = logging.getLogger(__name__)
@@ -80,11 +75,12 @@ class RankSpec:
     dtype: str
     learner_kwargs: dict[str, Any]
     """`Learner` keyword arguments (pad_token_id, lr, settings, ...)."""
-    fsdp: FSDPSettings = field(default_factory=FSDPSettings)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The `trainer` section: `mixed_precision` and `activation_checkpointing` (how the model is
+    sharded), `max_tokens_per_micro_batch` (the token budget of a micro-batch, padded [B, T]
+    size; None splits each batch of rows into about one micro-batch per rank)."""
     device: str = "cpu"
-    max_tokens_per_micro_batch: int | None = None
-    """Token budget of a micro-batch (padded [B, T] size); None splits each batch of rows into
-    about one micro-batch per rank."""
+    """Where the ranks' models live (`trainer.device` resolved)."""
     num_threads: int = 1
     seed: int = 0
 
@@ -129,7 +125,12 @@ def build_rank_learner(spec: RankSpec) -> FSDPLearner:
     """This rank's sharded model and learner (the process group must be initialised)."""
     torch.manual_seed(spec.seed)
     model = load_causal_lm(spec.model_dir, dtype=spec.dtype).to(spec.device)
-    shard_model(model, data_parallel_mesh(spec.device), spec.fsdp)
+    shard_model(
+        model,
+        data_parallel_mesh(spec.device),
+        mixed_precision=spec.trainer.mixed_precision,
+        activation_checkpointing=spec.trainer.activation_checkpointing,
+    )
     return FSDPLearner(model, **spec.learner_kwargs)
 
 
@@ -152,7 +153,7 @@ def _train_share(
 ) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     for k, indices in enumerate(
-        micro_batch_plan(rows, world, spec.max_tokens_per_micro_batch)[rank]
+        micro_batch_plan(rows, world, spec.trainer.max_tokens_per_micro_batch)[rank]
     ):
         learner.accumulate([rows[i] for i in indices], num_skipped_tokens=skipped if k == 0 else 0)
 

@@ -18,7 +18,7 @@ from streamrl.api.run import RunContext
 from streamrl.bus.deferred import DeferredAcks
 from streamrl.config.derived import batches_per_step, in_place_recovery
 from streamrl.config.schema import Config
-from streamrl.models.loading import load_policy_model, load_tokenizer, resolve_device
+from streamrl.models.loading import load_policy_model, policy_tokenizer, resolve_device
 
 if TYPE_CHECKING:
     from streamrl.trainer.algos.objective import LossSettings
@@ -54,7 +54,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
     a, t = ctx.cfg.algorithm, ctx.cfg.trainer
     torch.manual_seed(ctx.cfg.run.seed)
     kwargs = dict(
-        pad_token_id=load_tokenizer(ctx.policy_dir).pad_token_id,
+        pad_token_id=policy_tokenizer(ctx).pad_token_id,
         lr=a.lr,
         weight_decay=a.weight_decay,
         grad_clip=a.grad_clip,
@@ -73,18 +73,14 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         return Learner(model, compile=t.compile, **kwargs)
     # Imported here: FSDP2 and distributed checkpoints cost every role process a second of
     # imports (DTensor, sympy) that only a multi-rank trainer needs.
-    from streamrl.trainer.fsdp import FSDPSettings
     from streamrl.trainer.ranks import RankedLearner, RankSpec
 
     spec = RankSpec(
         model_dir=str(ctx.policy_dir),
         dtype=ctx.cfg.model.dtype,
         learner_kwargs=kwargs,
-        fsdp=FSDPSettings(
-            mixed_precision=t.mixed_precision, activation_checkpointing=t.activation_checkpointing
-        ),
+        trainer=t,
         device=resolve_device("trainer.device", t.device),
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         num_threads=torch.get_num_threads(),
         seed=ctx.cfg.run.seed,
     )

@@ -64,10 +64,11 @@ def start_vllm(model_dir: Path, eos_token_id: int, scratch: Path) -> Subject:
         if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
             pytest.fail(f"{reason} (STREAMRL_REQUIRE_VLLM=1 requires it)")
         pytest.skip(reason)
-    from streamrl.rollout.vllm_engine import VllmEngine, VllmSettings
+    from streamrl.config.schema import VllmConfig
+    from streamrl.rollout.vllm_engine import VllmEngine
 
-    settings = VllmSettings(kv_cache_gib=0.25, max_num_seqs=16, in_process=True)
-    engine = VllmEngine(model_dir, eos_token_id=eos_token_id, settings=settings)
+    config = VllmConfig(kv_cache_gib=0.25, in_process=True)
+    engine = VllmEngine(model_dir, eos_token_id=eos_token_id, config=config, max_num_seqs=16)
     return Subject(engine, close=engine.close)
 
 
@@ -78,12 +79,13 @@ def start_sglang(model_dir: Path, eos_token_id: int, scratch: Path) -> Subject:
     The adapter asks `weight_poll` by the clock, so the server holds every request at
     `num_tokens` tokens (its `hold_at_tokens` knob, released by the next weight update) and the
     poll answers once all of them are there."""
-    from streamrl.rollout.sglang_engine import SglangEngine, SglangSettings
+    from streamrl.config.schema import SglangConfig
+    from streamrl.rollout.sglang_engine import SglangEngine
     from tests.fakes.sglang_server import FakeSglangServer
 
     server = FakeSglangServer(model_dir).start()
-    settings = SglangSettings(url=server.url, weights_dir=scratch, poll_s=0.005)
-    engine = SglangEngine(model_dir, eos_token_id=eos_token_id, settings=settings)
+    config = SglangConfig(url=server.url, weights_dir=str(scratch))
+    engine = SglangEngine(model_dir, eos_token_id=eos_token_id, config=config, poll_s=0.005)
 
     def update_after(num_tokens: int, num_requests: int) -> Callable[[], bool]:
         server.hold_at_tokens = num_tokens

@@ -352,13 +352,14 @@ def test_an_sglang_server_refuses_ids_outside_the_vocabulary_itself(
     """An adapter that cannot read the vocabulary size (attached, no local model directory)
     leaves the check to the server, which answers 400 as SGLang does (the stand-in used to let
     the id reach the model, where it killed its scheduler and left the request hanging)."""
-    from streamrl.rollout.sglang_engine import SglangEngine, SglangError, SglangSettings
+    from streamrl.config.schema import SglangConfig
+    from streamrl.rollout.sglang_engine import SglangEngine, SglangError
     from tests.fakes.sglang_server import FakeSglangServer
 
     server = FakeSglangServer(model_dir, stop_on_model_eos=False).start()
     try:
-        settings = SglangSettings(url=server.url, weights_dir=tmp_path)
-        engine = SglangEngine("not-a-local-model", eos_token_id=-1, settings=settings)
+        config = SglangConfig(url=server.url, weights_dir=str(tmp_path))
+        engine = SglangEngine("not-a-local-model", eos_token_id=-1, config=config)
         assert engine.vocab_size is None
         with pytest.raises(SglangError, match=r"HTTP 400: .*outside the vocabulary"):
             engine.generate(requests("bad", prompts={"bad": [2, 10_000]}), SamplingParams(4))

@@ -25,7 +25,6 @@ from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.trainer.algos.objective import LossSettings
 from streamrl.trainer.fsdp import (
     FSDPLearner,
-    FSDPSettings,
     data_parallel_mesh,
     decoder_layers,
     init_distributed,
@@ -48,12 +47,13 @@ CLIP = 0.05  # below step 2's gradient norm, so clipping binds (checked below)
 
 
 def build_learner(
-    model_dir: Path, *, fsdp: FSDPSettings | None = None, optimizer: str = "sgd"
+    model_dir: Path, *, fsdp: dict[str, bool] | None = None, optimizer: str = "sgd"
 ) -> Learner:
-    """A learner on the tiny model; with `fsdp`, sharded over the initialised process group."""
+    """A learner on the tiny model; with `fsdp` (`shard_model`'s keyword arguments), sharded
+    over the initialised process group."""
     model = load_causal_lm(model_dir)
     if fsdp is not None:
-        shard_model(model, data_parallel_mesh("cpu"), fsdp)
+        shard_model(model, data_parallel_mesh("cpu"), **fsdp)
     learner = (FSDPLearner if fsdp is not None else Learner)(
         model,
         pad_token_id=PAD_ID,
@@ -92,7 +92,7 @@ def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}")
     try:
         path, out = Path(model_dir), {}
-        learner = build_learner(path, fsdp=FSDPSettings())
+        learner = build_learner(path, fsdp={})
         embed = learner.model.get_input_embeddings().weight
         out["sharded"] = isinstance(embed, DTensor) and embed.to_local().shape[0] < embed.shape[0]
         out["fp32"] = [train_step(learner, random_rows(ROWS), rank)]
@@ -101,21 +101,20 @@ def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
         out["fp32"].append(train_step(learner, random_rows(ROWS, seed=1), rank))
         out["fp32_weights"].append(learner.named_weights())
 
-        settings = FSDPSettings(activation_checkpointing=True)
-        learner = build_learner(path, fsdp=settings)
+        learner = build_learner(path, fsdp={"activation_checkpointing": True})
         out["ac"] = train_step(learner, random_rows(ROWS), rank)
         out["ac_weights"] = learner.named_weights()
 
-        learner = build_learner(path, fsdp=FSDPSettings(mixed_precision=True))
+        learner = build_learner(path, fsdp={"mixed_precision": True})
         out["bf16"] = train_step(learner, random_rows(ROWS), rank)
         out["bf16_weights"] = learner.named_weights()
 
         # Distributed checkpoint: AdamW so that there is optimizer state to restore.
-        saved = build_learner(path, fsdp=FSDPSettings(), optimizer="adamw")
+        saved = build_learner(path, fsdp={}, optimizer="adamw")
         train_step(saved, random_rows(ROWS), rank)
         saved.save_checkpoint(Path(out_dir) / "ckpt")
         out["ckpt_weights"] = saved.named_weights()
-        restored = build_learner(path, fsdp=FSDPSettings(), optimizer="adamw")
+        restored = build_learner(path, fsdp={}, optimizer="adamw")
         restored.load_checkpoint(Path(out_dir) / "ckpt")
         out["version"] = restored.version
         before = local_tensors(get_state_dict(saved.model, saved.optimizer))

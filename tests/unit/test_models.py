@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 import string
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.api.run import RunContext
+from streamrl.config.loader import load_config
+from streamrl.models.loading import load_causal_lm, load_tokenizer, policy_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import ASSISTANT, END, USER, build_tokenizer
 
@@ -111,6 +115,19 @@ def test_load_causal_lm_in_eval_mode_and_dtype(model_dir: Path) -> None:
 def test_load_tokenizer_pads_on_the_left(model_dir: Path) -> None:
     tok = load_tokenizer(model_dir)
     assert tok.padding_side == "left" and tok.pad_token_id is not None
+
+
+def test_the_roles_of_one_context_share_its_tokenizer(model_dir: Path, tmp_path: Path) -> None:
+    ctx = RunContext(load_config([]), model_dir, tmp_path, [], [])
+    tokenizer = policy_tokenizer(ctx)
+    assert policy_tokenizer(ctx) is tokenizer and tokenizer.padding_side == "left"
+    # A context sent to another process (Ray pickles it), or a copy, loads its own.
+    sent = pickle.loads(pickle.dumps(ctx))
+    assert sent.cached_tokenizer is None and ctx.cached_tokenizer is tokenizer
+    assert dataclasses.replace(ctx, train_rows=None).cached_tokenizer is None
+    assert policy_tokenizer(sent) is not tokenizer
+    assert policy_tokenizer(sent).eos_token_id == tokenizer.eos_token_id
+    assert sent == ctx  # the cache is no part of what a context is
 
 
 def test_a_plain_tokenizer_loads_as_autotokenizer_would_build_it(

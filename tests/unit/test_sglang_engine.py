@@ -25,17 +25,14 @@ import torch
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.run import RunContext
 from streamrl.config.loader import load_config
+from streamrl.config.schema import SglangConfig
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.rollout.engines import make_engine
+from streamrl.rollout.seeds import request_seed
 from streamrl.rollout.sglang_client import free_port
-from streamrl.rollout.sglang_engine import (
-    SglangEngine,
-    SglangError,
-    SglangSettings,
-    request_seed,
-)
+from streamrl.rollout.sglang_engine import SglangEngine, SglangError
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 FAKE_SERVER = Path(__file__).resolve().parents[1] / "fakes" / "sglang_server.py"
@@ -65,12 +62,18 @@ def server(model_dir: Path):
     server.stop()
 
 
-def attach(server: FakeSglangServer, tmp_path: Path, **settings) -> SglangEngine:
-    settings.setdefault("weights_dir", tmp_path / "weights")
+def attach(
+    server: FakeSglangServer, tmp_path: Path, *, weight_sync: str = "disk", **kwargs
+) -> SglangEngine:
+    """An engine attached to `server`; `kwargs` are the engine's own (besides the config)."""
+    config = SglangConfig(
+        url=server.url, weights_dir=str(tmp_path / "weights"), weight_sync=weight_sync
+    )
     return SglangEngine(
         "unused-when-attaching",
-        eos_token_id=settings.pop("eos_token_id", NO_EOS),
-        settings=SglangSettings(url=server.url, **settings),
+        eos_token_id=kwargs.pop("eos_token_id", NO_EOS),
+        config=config,
+        **kwargs,
     )
 
 
@@ -289,7 +292,9 @@ def test_unreachable_server_is_a_clear_error(tmp_path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SglangError, match="cannot reach the SGLang server at .*rollout.sglang.url"):
         SglangEngine(
-            "unused", eos_token_id=NO_EOS, settings=SglangSettings(url=url, weights_dir=tmp_path)
+            "unused",
+            eos_token_id=NO_EOS,
+            config=SglangConfig(url=url, weights_dir=str(tmp_path)),
         )
 
 
@@ -307,8 +312,8 @@ def test_launch_waits_for_health_and_close_stops_the_server(model_dir, prompts, 
     engine = SglangEngine(
         model_dir,
         eos_token_id=NO_EOS,
-        settings=SglangSettings(
-            launch_cmd=(sys.executable, str(FAKE_SERVER)), weights_dir=tmp_path
+        config=SglangConfig(
+            launch_cmd=[sys.executable, str(FAKE_SERVER)], weights_dir=str(tmp_path)
         ),
     )
     process = engine.server
@@ -323,9 +328,9 @@ def test_launch_waits_for_health_and_close_stops_the_server(model_dir, prompts, 
 
 def test_a_server_that_dies_at_launch_reports_its_log(tmp_path) -> None:
     crash = "print('CUDA is not available'); raise SystemExit(3)"
-    settings = SglangSettings(launch_cmd=(sys.executable, "-c", crash), weights_dir=tmp_path)
+    config = SglangConfig(launch_cmd=[sys.executable, "-c", crash], weights_dir=str(tmp_path))
     with pytest.raises(SglangError, match="(?s)exited with code 3.*CUDA is not available"):
-        SglangEngine("some-model", eos_token_id=NO_EOS, settings=settings)
+        SglangEngine("some-model", eos_token_id=NO_EOS, config=config)
 
 
 def test_config_selects_and_configures_the_engine(server, model_dir, tmp_path) -> None:
@@ -341,9 +346,9 @@ def test_config_selects_and_configures_the_engine(server, model_dir, tmp_path) -
     ctx = RunContext(cfg, model_dir, tmp_path / "run", [], [])
     engine = make_engine(ctx)
     assert isinstance(engine, SglangEngine) and engine.url == server.url
-    assert engine.settings.launch_args == ("--tp", "2")
-    assert engine.settings.max_running_requests == 3
-    assert engine.settings.weight_sync == "distributed"
-    assert engine.settings.dtype == "float32"  # auto: the trainer's model.dtype
+    assert engine.config is cfg.rollout.sglang and engine.config.launch_args == ["--tp", "2"]
+    assert engine.max_running_requests == 3
+    assert engine.config.weight_sync == "distributed"
+    assert engine.dtype == "float32"  # auto: the trainer's model.dtype
     assert engine.weights_dir.parent == (tmp_path / "run" / "sglang").resolve()
     assert engine.eos_token_id == build_tokenizer().eos_token_id

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
+from streamrl.config.schema import VllmConfig
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
@@ -34,7 +35,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError(f"{_REASON} (STREAMRL_REQUIRE_VLLM=1 requires it)")
     pytest.skip(_REASON, allow_module_level=True)
 
-from streamrl.rollout.vllm_engine import CPU_HEAD_SIZES, VllmEngine, VllmSettings  # noqa: E402
+from streamrl.rollout.vllm_engine import CPU_HEAD_SIZES, VllmEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,8 @@ def engine(model_dir: Path):
     engine = VllmEngine(
         model_dir,
         eos_token_id=build_tokenizer().eos_token_id,
-        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=64),
+        config=VllmConfig(kv_cache_gib=0.25),
+        max_num_seqs=64,
     )
     yield engine
     engine.close()
@@ -272,7 +274,8 @@ def two_engines(model_dir: Path):
     engine = VllmEngine(
         model_dir,
         eos_token_id=build_tokenizer().eos_token_id,
-        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=64, num_engines=2),
+        config=VllmConfig(kv_cache_gib=0.25, engines=2),
+        max_num_seqs=64,
     )
     yield engine
     engine.close()
@@ -351,7 +354,7 @@ def check_inflight_update(engines: VllmEngine, base_model, prompts) -> None:
         # discarded by the abort); the log-prob check below shows each token's version is right.
         num_old = r.versions.count(old_version)
         assert r.versions == [old_version] * num_old + [new_version] * (len(r.versions) - num_old)
-        if engines.settings.in_process:
+        if engines.config.in_process:
             assert num_old == min(3, len(r.response_ids))
         else:
             assert num_old <= 3
@@ -388,7 +391,8 @@ def test_two_engines_in_their_own_processes(model_dir: Path, base_model, prompts
     engines = VllmEngine(
         model_dir,
         eos_token_id=build_tokenizer().eos_token_id,
-        settings=VllmSettings(kv_cache_gib=0.25, max_num_seqs=16, in_process=False, num_engines=2),
+        config=VllmConfig(kv_cache_gib=0.25, in_process=False, engines=2),
+        max_num_seqs=16,
     )
     try:
         model = perturbed(base_model)
