@@ -206,8 +206,21 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    function: str = "streamrl.reward.rule:arith_exact_match"
-    """Reward function as `module:function`, called as fn(response_text, answer, **extra)."""
+    function: str | list[str] = "streamrl.reward.rule:arith_exact_match"
+    """Reward function as `module:function`, or a list of them (their weighted sum is the
+    reward). Each is called in the form its signature shows (`style`): fn(response_text,
+    answer, **extra); TRL's batched fn(completions, **kwargs) -> list; veRL's
+    compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+    weights: list[float] | None = None
+    """Weight of each function of `function` (TRL's reward_weights); None: 1.0 each."""
+    style: Literal["auto", "streamrl", "trl", "verl"] = "auto"
+    """How the functions are called: auto (told by their parameter names), streamrl, trl or
+    verl (`streamrl.reward.forms`)."""
+    conversational: bool = False
+    """TRL-style functions get each completion as one assistant message
+    (`[{"role": "assistant", "content": ...}]`, TRL's conversational format), not as text."""
+    batch_size: int = Field(256, ge=1)
+    """Most samples one call of a TRL-style (batched) or async reward scores."""
     timeout_s: float = Field(5.0, gt=0)
     """A reward call running longer than this is stopped and the sample dropped (status timeout)."""
     invalid_output_penalty: float | None = 0.0
@@ -233,6 +246,23 @@ class RewardConfig(Section):
     """Largest file a reward may write (RLIMIT_FSIZE)."""
     max_open_files: int = Field(256, ge=16)
     """Open file descriptors of each process in the sandbox (RLIMIT_NOFILE)."""
+
+    @model_validator(mode="after")
+    def _check_functions(self) -> RewardConfig:
+        functions = [self.function] if isinstance(self.function, str) else self.function
+        if not functions:
+            raise ValueError("function: name at least one reward function")
+        if self.weights is not None and len(self.weights) != len(functions):
+            raise ValueError(
+                f"weights: {len(self.weights)} weight(s) for {len(functions)} function(s); "
+                "give one weight a function"
+            )
+        return self
+
+    @property
+    def functions(self) -> list[str]:
+        """`function` as a list."""
+        return [self.function] if isinstance(self.function, str) else list(self.function)
 
 
 class AdvantageConfig(Section):

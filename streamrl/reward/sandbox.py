@@ -3,22 +3,29 @@
 A reward function is user code and sees untrusted model output: it may raise, hang, print, eat
 memory or try to reach what it should not. `SandboxedScorer` keeps `num_workers` persistent
 worker processes (`python -m streamrl.reward.worker`), each in a sandbox of
-`streamrl.reward.isolation` started once, and scores a batch across them, one task per worker
-at a time:
+`streamrl.reward.isolation` started once, and scores a batch across them, one frame of tasks per
+worker at a time:
 
-    score(tasks) ──task {id,...}──► worker 0 ──result {id, value, status, ...}──► check ──► results
-                 ──task──────────► worker 1 ──result─────────────────────────────► check
+    score(tasks) ──{id, tasks}──► worker 0 ──{id, results: [{value, status, ...}]}──► check ──► results
+                 ──{id, tasks}──► worker 1 ──{id, results}─────────────────────────► check
                  (one socket per worker; the reward's stdout/stderr ──► this process's log)
 
+The reward functions (`streamrl.reward.forms`: streamrl's, TRL's or veRL's form, sync or async,
+one or several with weights) are recognised here, in the caller, before any worker starts. A
+frame holds one task when every function is called once a sample and is sync (a hang then costs
+only its own sample), else up to `batch_size` tasks, split evenly over the workers: a TRL-style
+function is called once for the frame, an async one awaited concurrently over it.
+
 - Results travel on a private channel (a socket passed to the worker), tagged with their task's
-  id: what the reward prints never reaches them. A result larger than `MAX_RESULT_BYTES` is
-  refused (`infra_error`) without being read.
-- Each call has one deadline, `timeout_s`, from sending the task to its whole result; past it
-  the worker's process group (under `namespaces`, its PID namespace) is killed, the sample
-  marked `timeout`, and a fresh worker started when there is work for it.
-- Every result is checked here, whatever the worker sent: a known status, a finite number when
-  the status is `ok`, finite components, a reason cut to size; anything else is `infra_error`
-  with the reason.
+  id: what the reward prints never reaches them. A result frame larger than `MAX_RESULT_BYTES`
+  (and `RESULT_BYTES_PER_TASK` a task past the first) is refused (`infra_error`) unread.
+- Each call has one deadline, `timeout_s`: a frame's deadline, from sending it to its whole
+  result, is `timeout_s` for each call of a function it makes; past it the worker's process
+  group (under `namespaces`, its PID namespace) is killed, the frame's samples marked `timeout`,
+  and a fresh worker started when there is work for it.
+- Every result is checked here, whatever the worker sent: one a task, a known status, a finite
+  number when the status is `ok`, finite components, a reason cut to size; anything else is
+  `infra_error` with the reason.
 - The reward's output is logged (logger `streamrl.reward.worker`, INFO), each line cut to
   `MAX_LOG_LINE` bytes and at most `MAX_LOGGED_BYTES` per worker.
 
@@ -53,6 +60,7 @@ if TYPE_CHECKING:
 
 STATUSES = ("ok", "invalid_output", "timeout", "infra_error")
 MAX_RESULT_BYTES = 1 << 20
+RESULT_BYTES_PER_TASK = 1 << 16
 MAX_LOG_LINE = 2000
 MAX_LOGGED_BYTES = 1 << 20
 # How long a new worker may take to start its sandbox and import the reward's module.
@@ -67,6 +75,10 @@ class ScoreTask:
     response: str
     answer: str
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt: str | list[dict[str, Any]] | None = None
+    """The prompt (TRL-style rewards get it as `prompts`); None where the caller has none."""
+    completion_ids: list[int] | None = None
+    """The response's token ids (TRL-style rewards' `completion_ids`)."""
 
 
 def checked(message: Any) -> RewardResult:
@@ -96,12 +108,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def import_roots(fn_path: str) -> list[str]:
-    """The directories a worker imports from: the one holding the reward's top-level package,
+def import_roots(fn_path: str | Sequence[str]) -> list[str]:
+    """The directories a worker imports from: those holding the rewards' top-level packages,
     the one holding streamrl, then the caller's PYTHONPATH."""
-    module = fn_path.partition(":")[0] if ":" in fn_path else fn_path.rpartition(".")[0]
-    roots = []
-    for top in (module.split(".")[0], "streamrl"):
+    paths = [fn_path] if isinstance(fn_path, str) else list(fn_path)
+    modules = [p.partition(":")[0] if ":" in p else p.rpartition(".")[0] for p in paths]
+    roots: list[str] = []
+    for top in dict.fromkeys([*(m.split(".")[0] for m in modules), "streamrl"]):
         spec = importlib.util.find_spec(top)
         if spec is None:
             continue
@@ -161,20 +174,20 @@ class _OutputLog(threading.Thread):
 @dataclass(eq=False)
 class _Worker:
     """One worker process and where it stands: starting (not ready), idle, or busy with the
-    task at `position` until `deadline`."""
+    tasks at `positions` until `deadline`."""
 
     proc: subprocess.Popen
     channel: socket.socket
     output: _OutputLog
     deadline: float
     ready: bool = False
-    position: int | None = None
+    positions: list[int] | None = None
     task_id: int = -1
     buffer: bytearray = field(default_factory=bytearray)
 
     @property
     def active(self) -> bool:
-        return not self.ready or self.position is not None
+        return not self.ready or self.positions is not None
 
 
 class SandboxedScorer:
@@ -183,7 +196,7 @@ class SandboxedScorer:
 
     def __init__(
         self,
-        fn_path: str,
+        fn_path: str | Sequence[str],
         *,
         timeout_s: float,
         sandbox: Level = "namespaces",
@@ -191,19 +204,46 @@ class SandboxedScorer:
         num_workers: int = 1,
         limits: Limits | None = None,
         cpu_limit_s: float | None = None,
+        weights: Sequence[float] | None = None,
+        style: str = "auto",
+        conversational: bool = False,
+        batch_size: int = 256,
     ):
+        from streamrl.reward.forms import RewardFunction, check_reward_signature, names_of
         from streamrl.reward.scoring import resolve_callable
 
-        resolve_callable(fn_path)  # fail fast, in the caller, on a bad path
+        paths = [fn_path] if isinstance(fn_path, str) else list(fn_path)
+        if not paths:
+            raise ValueError("no reward function given")
+        if weights is not None and len(weights) != len(paths):
+            raise ValueError(f"{len(weights)} weight(s) for {len(paths)} reward function(s)")
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
-        self.fn_path = fn_path
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        weights = [1.0] * len(paths) if weights is None else [float(w) for w in weights]
+        # Fail fast, in the caller, on a bad path or a function called in no known form.
+        self.functions = [
+            RewardFunction(fn, check_reward_signature(fn, path, style), name, weight)
+            for path, name, weight in zip(paths, names_of(paths), weights, strict=True)
+            for fn in (resolve_callable(path),)
+        ]
+        self.spec = {
+            "functions": [
+                {"path": p, "style": f.style, "weight": f.weight, "name": f.name}
+                for p, f in zip(paths, self.functions, strict=True)
+            ],
+            "conversational": conversational,
+        }
+        self.batched = any(f.batched for f in self.functions)
+        self.batch_size = batch_size
+        self.fn_path = paths[0] if len(paths) == 1 else ", ".join(paths)
         self.timeout_s = timeout_s
         self.cpu_limit_s = cpu_limit_s or timeout_s
         self.num_restarts = 0
         try:
             self.sandbox = Sandbox(
-                sandbox, limits=limits, pythonpath=import_roots(fn_path), require=require_sandbox
+                sandbox, limits=limits, pythonpath=import_roots(paths), require=require_sandbox
             )
         except IsolationUnavailable as e:
             raise IsolationUnavailable(
@@ -213,8 +253,12 @@ class SandboxedScorer:
             ) from None
         self.isolation = self.sandbox.isolation
         log.info(
-            "reward %s: %s; per call: %g s wall, %g CPU-s; %d worker(s)",
-            fn_path,
+            "reward %s (%s): %s; per call: %g s wall, %g CPU-s; %d worker(s)",
+            self.fn_path,
+            ", ".join(
+                f.style + (" async" if f.batched and f.style != "trl" else "")
+                for f in self.functions
+            ),
             self.isolation.describe(),
             timeout_s,
             self.cpu_limit_s,
@@ -233,7 +277,11 @@ class SandboxedScorer:
             max_open_files=cfg.max_open_files,
         )
         return cls(
-            cfg.function,
+            cfg.functions,
+            weights=cfg.weights,
+            style=cfg.style,
+            conversational=cfg.conversational,
+            batch_size=cfg.batch_size,
             timeout_s=cfg.timeout_s,
             sandbox=cfg.sandbox,
             require_sandbox=cfg.require_sandbox,
@@ -250,9 +298,9 @@ class SandboxedScorer:
         """Score `tasks` across the workers; the results in the tasks' order. Raises
         RuntimeError when a worker cannot start (the reward's module fails to import, say)."""
         results: list[RewardResult | None] = [None] * len(tasks)
-        todo = deque(range(len(tasks)))
+        todo = deque(self._frames(len(tasks)))
         try:
-            while todo or any(w is not None and w.position is not None for w in self._workers):
+            while todo or any(w is not None and w.positions is not None for w in self._workers):
                 self._dispatch(todo, tasks, results)
                 self._wait(results)
         except BaseException:
@@ -265,18 +313,30 @@ class SandboxedScorer:
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def _dispatch(self, todo: deque[int], tasks, results) -> None:
+    def _frames(self, n: int) -> list[list[int]]:
+        """The tasks' positions in frames: one a frame, or for batched functions up to
+        `batch_size` a frame, spread evenly over the workers."""
+        size = 1
+        if self.batched:
+            size = max(1, min(self.batch_size, math.ceil(n / self.num_workers)))
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    def _calls(self, num_tasks: int) -> int:
+        """Calls of a function a frame of `num_tasks` tasks makes (each has `timeout_s`)."""
+        return sum(1 if f.batched else num_tasks for f in self.functions)
+
+    def _dispatch(self, todo: deque[list[int]], tasks, results) -> None:
         """Hand the next tasks to idle workers; start workers for tasks no worker will take."""
         starting = sum(1 for w in self._workers if w is not None and not w.ready)
         for slot, worker in enumerate(self._workers):
-            idle = worker is not None and worker.ready and worker.position is None
+            idle = worker is not None and worker.ready and worker.positions is None
             if idle and worker.proc.poll() is not None:
                 self._kill(slot, worker, restart=True)  # died while idle
                 worker = None
             if worker is None and len(todo) > starting:
                 self._workers[slot] = self._start(slot)
                 starting += 1
-            elif worker is not None and worker.ready and worker.position is None and todo:
+            elif worker is not None and worker.ready and worker.positions is None and todo:
                 self._send(slot, worker, todo.popleft(), tasks, results)
 
     def close(self) -> None:
@@ -296,7 +356,8 @@ class SandboxedScorer:
 
     def _start(self, slot: int) -> _Worker:
         ours, theirs = socket.socketpair()
-        argv = [sys.executable, "-P", "-m", "streamrl.reward.worker", self.fn_path]
+        spec = json.dumps(self.spec)
+        argv = [sys.executable, "-P", "-m", "streamrl.reward.worker", spec]
         argv += ["--channel", str(theirs.fileno()), "--cpu-per-call", str(self.cpu_limit_s)]
         if self.isolation.on("pid namespace"):
             argv += ["--end-leftovers", os.readlink("/proc/self/ns/pid")]
@@ -313,20 +374,31 @@ class SandboxedScorer:
         ours.setblocking(False)
         return _Worker(proc, ours, output, deadline=time.monotonic() + _STARTUP_TIMEOUT_S)
 
-    def _send(self, slot, worker, position, tasks, results) -> None:
+    def _send(self, slot, worker, positions, tasks, results) -> None:
         self._next_id += 1
-        worker.task_id, worker.position = self._next_id, position
-        worker.deadline = time.monotonic() + self.timeout_s
-        frame = encode({"id": worker.task_id, **asdict(tasks[position])})
+        worker.task_id, worker.positions = self._next_id, positions
+        worker.deadline = time.monotonic() + self.timeout_s * self._calls(len(positions))
+        batch = [asdict(tasks[p]) for p in positions]
+        frame = encode({"id": worker.task_id, "tasks": batch})
         try:
             worker.channel.settimeout(self.timeout_s)
             worker.channel.sendall(frame)  # the worker reads it at once: it is idle
         except TimeoutError:
-            self._fail(slot, worker, results, "timeout", f"reward took over {self.timeout_s}s")
+            self._fail(slot, worker, results, "timeout", self._took_over(worker))
         except OSError:
             self._fail(slot, worker, results, "infra_error", self._death(worker))
         else:
             worker.channel.setblocking(False)
+
+    def _took_over(self, worker: _Worker) -> str:
+        n = len(worker.positions or [0])
+        calls = self._calls(n)
+        if n == 1 and calls == 1:
+            return f"reward took over {self.timeout_s}s"
+        return (
+            f"reward took over {self.timeout_s * calls:g}s for a batch of {n} sample(s) "
+            f"({calls} call(s) of {self.timeout_s:g}s)"
+        )
 
     def _wait(self, results: list[RewardResult | None]) -> None:
         """Wait for the first frame or deadline among the active workers and handle what came."""
@@ -353,8 +425,9 @@ class SandboxedScorer:
         worker.buffer += chunk
         while len(worker.buffer) >= HEADER.size and self._workers[slot] is worker:
             (size,) = HEADER.unpack_from(worker.buffer)
-            if size > MAX_RESULT_BYTES:
-                reason = f"the reward worker sent a result of {size} bytes (the cap is {MAX_RESULT_BYTES})"
+            cap = MAX_RESULT_BYTES + RESULT_BYTES_PER_TASK * (len(worker.positions or [0]) - 1)
+            if size > cap:
+                reason = f"the reward worker sent a result of {size} bytes (the cap is {cap})"
                 self._fail(slot, worker, results, "infra_error", reason)
                 return
             if len(worker.buffer) < HEADER.size + size:
@@ -380,8 +453,15 @@ class SandboxedScorer:
             reason = "the reward worker sent a result for another task"
             self._fail(slot, worker, results, "infra_error", reason)
             return
-        results[worker.position] = checked(message)
-        worker.position = None
+        positions, sent = worker.positions, message.get("results")
+        if not isinstance(sent, list) or len(sent) != len(positions):
+            shown = f"{len(sent)} results" if isinstance(sent, list) else type(sent).__name__
+            reason = f"the reward worker sent {shown} for {len(positions)} task(s)"
+            self._fail(slot, worker, results, "infra_error", reason)
+            return
+        for position, result in zip(positions, sent, strict=True):
+            results[position] = checked(result)
+        worker.positions = None
 
     def _overrun(self, slot, worker, results) -> None:
         if not worker.ready:
@@ -389,14 +469,15 @@ class SandboxedScorer:
             raise RuntimeError(
                 self._startup_error(worker, f"it did not start within {_STARTUP_TIMEOUT_S}s")
             )
-        self._fail(slot, worker, results, "timeout", f"reward took over {self.timeout_s}s")
+        self._fail(slot, worker, results, "timeout", self._took_over(worker))
 
     def _fail(self, slot, worker, results, status: str, reason: str) -> None:
-        """The task in flight gets `status`; the worker is killed (restarted when needed)."""
+        """The tasks in flight get `status`; the worker is killed (restarted when needed)."""
         if not worker.ready:
             self._kill(slot, worker, restart=False)
             raise RuntimeError(self._startup_error(worker, reason))
-        results[worker.position] = RewardResult(None, status, reason)  # type: ignore[arg-type]
+        for position in worker.positions or ():
+            results[position] = RewardResult(None, status, reason)  # type: ignore[arg-type]
         self._kill(slot, worker, restart=True)
 
     def _kill(self, slot: int, worker: _Worker, *, restart: bool) -> None:

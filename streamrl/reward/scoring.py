@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -27,22 +26,6 @@ def resolve_callable(path: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ValueError(f"{path!r}: module {module_name!r} has no callable {attr!r}")
     return fn
-
-
-def check_reward_signature(fn: Callable[..., Any], path: str) -> None:
-    """Raise ValueError when `fn` cannot be called as fn(response_text, answer, **extra)
-    (each call would fail, and every sample be dropped)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-        return
-    try:
-        signature.bind_partial("response", "answer")
-    except TypeError as e:
-        raise ValueError(
-            f"{path!r} is called as f(response_text, answer, **extra) (the dataset row's other "
-            f"keys), but its signature {signature} does not take that: {e}"
-        ) from None
 
 
 def to_result(value: Any) -> RewardResult:

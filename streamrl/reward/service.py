@@ -24,12 +24,23 @@ log = logging.getLogger(__name__)
 def score_rows(
     scorer, tokenizer, rows: Sequence[Mapping[str, Any]], invalid_penalty: float | None
 ) -> dict[str, dict[str, Any]]:
-    texts = tokenizer.batch_decode(
-        [list(r[F.RESPONSE_IDS]) for r in rows], skip_special_tokens=True
-    )
+    ids = [list(r[F.RESPONSE_IDS]) for r in rows]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    prompts: list[str | None] = [None] * len(rows)
+    batched = getattr(scorer, "batched", False)  # a TRL-style reward takes prompts and ids
+    if batched and all(r.get(F.PROMPT_IDS) is not None for r in rows):
+        prompts = tokenizer.batch_decode(
+            [list(r[F.PROMPT_IDS]) for r in rows], skip_special_tokens=True
+        )
     tasks = [
-        ScoreTask(text, str(r[F.ANSWER]), dict(r.get(F.EXTRA) or {}))
-        for text, r in zip(texts, rows, strict=True)
+        ScoreTask(
+            text,
+            str(r[F.ANSWER]),
+            dict(r.get(F.EXTRA) or {}),
+            prompt=prompt,
+            completion_ids=[int(t) for t in response_ids] if batched else None,
+        )
+        for text, prompt, response_ids, r in zip(texts, prompts, ids, rows, strict=True)
     ]
     updates = {}
     for row, result in zip(rows, scorer.score(tasks), strict=True):
@@ -48,6 +59,7 @@ def score_rows(
 class RewardRole(TransformRole):
     consumer = CONSUMER
     consumes = (F.RESPONSE_IDS, F.ANSWER, F.EXTRA)
+    """`PROMPT_IDS` too when the reward is batched (TRL's form: it takes the prompts)."""
 
     def __init__(
         self,
@@ -60,6 +72,8 @@ class RewardRole(TransformRole):
         lease_s: float,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
+        if getattr(scorer, "batched", False):
+            self.consumes = (*type(self).consumes, F.PROMPT_IDS)
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.invalid_penalty = invalid_penalty

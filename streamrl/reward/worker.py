@@ -2,20 +2,24 @@
 
 Run by `streamrl.reward.sandbox.SandboxedScorer`, inside its sandbox, as
 
-    python -P -m streamrl.reward.worker MODULE:FUNCTION --channel FD [--cpu-per-call S]
+    python -P -m streamrl.reward.worker SPEC --channel FD [--cpu-per-call S]
         [--end-leftovers HOST_PID_NAMESPACE]
 
-The channel is a socket the scorer passes as file descriptor FD. Both ways it carries frames: a
-4-byte big-endian length, then that many bytes of JSON. The worker sends `{"ready": pid}` once
-the reward's module is imported (or `{"error": ...}` and exits), then answers each task
-`{"id", "response", "answer", "extra"}` with `{"id", "value", "status", "reason", "components"}`.
-stdout and stderr are the reward function's own: the scorer logs them, never reads results from
-them. The worker exits at the end of input.
+SPEC is JSON: `{"functions": [{"path", "style", "weight", "name"}, ...], "conversational"}`
+(`streamrl.reward.forms`). The channel is a socket the scorer passes as file descriptor FD. Both
+ways it carries frames: a 4-byte big-endian length, then that many bytes of JSON. The worker
+sends `{"ready": pid}` once the reward's modules are imported (or `{"error": ...}` and exits),
+then answers each batch `{"id", "tasks": [{"response", "answer", "extra", "prompt",
+"completion_ids"}, ...]}` with `{"id", "results": [{"value", "status", "reason", "components"},
+...]}`, one result a task, in order. Each function is called in its form: a TRL-style one once
+for the batch, an async one awaited concurrently over it, any other once a task; each call gets
+`--cpu-per-call` CPU seconds. stdout and stderr are the reward functions' own: the scorer logs
+them, never reads results from them. The worker exits at the end of input.
 
 What leaves here is already cut to size (a reason of at most `MAX_REASON_CHARS`, at most
 `MAX_COMPONENTS` components), but the scorer checks every result again: this process runs
 untrusted code. With `--end-leftovers`, and only inside a PID namespace of its own, every process
-that a call started and left running is killed once the call returns.
+that a batch's calls started and left running is killed once the batch is scored.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import struct
 from typing import Any
 
 from streamrl.api.reward import RewardResult
-from streamrl.reward.scoring import resolve_callable, to_result
+from streamrl.reward.forms import RewardFunction, Runner, score_batch
+from streamrl.reward.scoring import resolve_callable
 
 HEADER = struct.Struct(">I")
 MAX_REASON_CHARS = 1000
@@ -122,25 +127,36 @@ def _read_exactly(channel: socket.socket, size: int) -> bytes | None:
     return bytes(data)
 
 
-def _score(fn, task: dict[str, Any]) -> dict[str, Any]:
+def load_functions(spec: dict[str, Any]) -> list[RewardFunction]:
+    """The reward functions SPEC names, imported, in the forms the scorer found."""
+    return [
+        RewardFunction(resolve_callable(f["path"]), f["style"], f["name"], float(f["weight"]))
+        for f in spec["functions"]
+    ]
+
+
+def _score(functions, tasks, runner, before_call, conversational) -> list[dict[str, Any]]:
     try:
-        result = to_result(fn(task["response"], task["answer"], **task["extra"]))
-        return payload(result)
+        results = score_batch(
+            functions, tasks, runner=runner, before_call=before_call, conversational=conversational
+        )
     except Exception as e:  # reported to the scorer as infra_error, never swallowed
         message = f"{type(e).__name__}: {e}"
-        return payload(RewardResult(None, "infra_error", message[: MAX_REASON_CHARS + 1]))
+        results = [RewardResult(None, "infra_error", message[: MAX_REASON_CHARS + 1])] * len(tasks)
+    return [payload(r) for r in results]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamrl.reward.worker")
-    parser.add_argument("function")
+    parser.add_argument("spec")
     parser.add_argument("--channel", type=int, required=True)
     parser.add_argument("--cpu-per-call", type=float)
     parser.add_argument("--end-leftovers", metavar="HOST_PID_NAMESPACE")
     args = parser.parse_args(argv)
     channel = socket.socket(fileno=args.channel)
     try:
-        fn = resolve_callable(args.function)
+        spec = json.loads(args.spec)
+        functions = load_functions(spec)
     except Exception as e:  # the scorer raises it to the caller
         channel.sendall(encode({"error": f"{type(e).__name__}: {e}"[:4000]}))
         return 1
@@ -156,11 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     spared = _processes() - {os.getpid(), 1} if own_namespace else set()
     channel.sendall(encode({"ready": os.getpid()}))
-    while (task := _receive(channel)) is not None:
+    runner = Runner()
+
+    def before_call() -> None:
         if args.cpu_per_call:
             _set_cpu_budget(args.cpu_per_call)
-        answer = _score(fn, task)
-        channel.sendall(encode({"id": task["id"], **answer}))
+
+    conversational = bool(spec.get("conversational"))
+    while (batch := _receive(channel)) is not None:
+        results = _score(functions, batch["tasks"], runner, before_call, conversational)
+        channel.sendall(encode({"id": batch["id"], "results": results}))
         if own_namespace:
             _end_leftovers(spared)
     return 0

@@ -17,10 +17,10 @@ from streamrl.config import ConfigError
 def check_paths(cfg) -> None:
     """Fail before any work on paths in the config that cannot be used."""
     from streamrl.data.dataset import is_pattern
-    from streamrl.reward.scoring import check_reward_signature, resolve_callable
+    from streamrl.reward.forms import check_reward_config
 
     try:
-        check_reward_signature(resolve_callable(cfg.reward.function), cfg.reward.function)
+        check_reward_config(cfg.reward)
     except ValueError as e:
         raise ConfigError(f"reward.function: {e}") from None
     for key, value in (

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from streamrl.api.reward import RewardResult
+from streamrl.reward.forms import check_reward_signature
 from streamrl.reward.math_answer import math_answer
 from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
-from streamrl.reward.scoring import check_reward_signature, resolve_callable
+from streamrl.reward.scoring import resolve_callable
 
 CASES = [
     ("The answer is \\boxed{\\frac12}.", "\\frac{1}{2}", 1.0),

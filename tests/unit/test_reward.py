@@ -18,10 +18,10 @@ from streamrl.api import fields as F
 from streamrl.api.reward import RewardResult
 from streamrl.data.prompts import encode_response
 from streamrl.models.tokenizer import build_tokenizer
+from streamrl.reward.forms import check_reward_signature
 from streamrl.reward.rule import arith_exact_match
 from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
 from streamrl.reward.scoring import (
-    check_reward_signature,
     resolve_callable,
     score_text,
     to_result,
