@@ -37,7 +37,12 @@ def policy_tokenizer(ctx):
     call, then kept in the context (`cached_tokenizer`), so the roles built from one context in
     one process share one tokenizer. Every role gets its tokenizer through here."""
     if ctx.cached_tokenizer is None:
-        ctx.cached_tokenizer = load_tokenizer(ctx.policy_dir)
+        tokenizer = load_tokenizer(ctx.policy_dir)
+        # Roles in threads of their own share it. A fast tokenizer whose file sets padding or
+        # truncation clears them at its first encode, a change two threads cannot make at once
+        # ("Already borrowed"): one encode here settles that state before any thread shares it.
+        tokenizer("")
+        ctx.cached_tokenizer = tokenizer
     return ctx.cached_tokenizer
 
 

@@ -18,7 +18,7 @@ from streamrl.api.run import RunContext
 from streamrl.config.derived import batches_per_step
 from streamrl.critic.role import make_critic
 from streamrl.data.role import make_feeder
-from streamrl.models.loading import load_policy_model, load_tokenizer
+from streamrl.models.loading import load_policy_model, policy_tokenizer
 from streamrl.reference.service import reference_fields
 from streamrl.reward.role import make_scorer
 from streamrl.reward.service import score_rows
@@ -38,7 +38,7 @@ def run_sync(
     ctx: RunContext, on_record: Callable[[dict[str, Any]], None], *, start_step: int = 0
 ) -> dict[str, Any]:
     cfg = ctx.cfg
-    tokenizer = load_tokenizer(ctx.policy_dir)
+    tokenizer = policy_tokenizer(ctx)
     with building("feeder"):
         feeder = make_feeder(ctx)
     with building("trainer"):
