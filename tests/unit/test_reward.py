@@ -27,6 +27,7 @@ from streamrl.reward.scoring import (
     to_result,
 )
 from streamrl.reward.service import MAX_REPORTED, RewardRole, score_rows
+from tests.unit.reward_modules import Scorers, reward_module
 
 # Imported by the sandbox's worker process, so it lives in a file on PYTHONPATH.
 REWARDS_MODULE = "streamrl_test_rewards"
@@ -70,30 +71,17 @@ REWARDS_SOURCE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def rewards_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("rewards")
-    directory.chmod(0o755)  # a sandbox started by root runs as nobody
-    (directory / f"{REWARDS_MODULE}.py").write_text(REWARDS_SOURCE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(directory))
-        mp.setenv("PYTHONPATH", str(directory), prepend=":")
+    with reward_module(tmp_path_factory, REWARDS_MODULE, REWARDS_SOURCE):
         yield REWARDS_MODULE
-        sys.modules.pop(REWARDS_MODULE, None)
 
 
 @pytest.fixture
-def make_scorer() -> Iterator:
-    scorers: list[SandboxedScorer] = []
-
-    def make(fn_path: str, timeout_s: float = 5.0) -> SandboxedScorer:
-        scorer = SandboxedScorer(fn_path, timeout_s=timeout_s)
-        scorers.append(scorer)
-        return scorer
-
+def make_scorer() -> Iterator[Scorers]:
+    scorers = Scorers(timeout_s=5.0)
     try:
-        yield make
+        yield scorers
     finally:
-        for scorer in scorers:
-            scorer.close()
+        scorers.close()
 
 
 # -- the arithmetic rule ------------------------------------------------------------------------

@@ -5,7 +5,6 @@ each recognised by its signature and called through the real sandboxed scorer.""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from streamrl.models.tokenizer import build_tokenizer
 from streamrl.reward.forms import NOT_APPLICABLE, check_reward_config, detect_style
 from streamrl.reward.sandbox import SandboxedScorer, ScoreTask
 from streamrl.reward.service import RewardRole, score_rows
+from tests.unit.reward_modules import Scorers, reward_module
 
 MODULE = "streamrl_test_reward_forms"
 SOURCE = textwrap.dedent(
@@ -114,33 +114,22 @@ SOURCE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("forms")
-    directory.chmod(0o755)  # a sandbox started by root runs as nobody
-    (directory / f"{MODULE}.py").write_text(SOURCE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(directory))
-        mp.setenv("PYTHONPATH", str(directory), prepend=":")
+    with reward_module(tmp_path_factory, MODULE, SOURCE):
         yield MODULE
-        sys.modules.pop(MODULE, None)
 
 
 @pytest.fixture
 def make(module: str) -> Iterator:
-    scorers: list[SandboxedScorer] = []
+    scorers = Scorers(timeout_s=10.0)
 
-    def make(*names: str, timeout_s: float = 10.0, **kwargs) -> SandboxedScorer:
+    def make(*names: str, **kwargs) -> SandboxedScorer:
         paths = [f"{module}:{n}" for n in names]
-        scorer = SandboxedScorer(
-            paths[0] if len(paths) == 1 else paths, timeout_s=timeout_s, **kwargs
-        )
-        scorers.append(scorer)
-        return scorer
+        return scorers(paths[0] if len(paths) == 1 else paths, **kwargs)
 
     try:
         yield make
     finally:
-        for scorer in scorers:
-            scorer.close()
+        scorers.close()
 
 
 def values(results: list[RewardResult]) -> list[float | None]:

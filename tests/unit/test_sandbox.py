@@ -34,6 +34,7 @@ from streamrl.reward.sandbox import (
     ScoreTask,
     checked,
 )
+from tests.unit.reward_modules import Scorers, reward_module
 
 MODULE = "streamrl_sandbox_test_rewards"
 SOURCE = textwrap.dedent(
@@ -170,29 +171,17 @@ SOURCE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def rewards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("sandbox_rewards")
-    directory.chmod(0o755)  # a sandbox started by root runs as nobody
-    (directory / f"{MODULE}.py").write_text(SOURCE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(directory))
-        mp.setenv("PYTHONPATH", str(directory), prepend=os.pathsep)
+    with reward_module(tmp_path_factory, MODULE, SOURCE) as directory:
         yield directory
-        sys.modules.pop(MODULE, None)
 
 
 @pytest.fixture
 def make_scorer(rewards: Path) -> Iterator:
-    scorers: list[SandboxedScorer] = []
-
-    def make(function: str, **kwargs) -> SandboxedScorer:
-        kwargs.setdefault("timeout_s", 5.0)
-        scorer = SandboxedScorer(f"{MODULE}:{function}", **kwargs)
-        scorers.append(scorer)
-        return scorer
-
-    yield make
-    for scorer in scorers:
-        scorer.close()
+    scorers = Scorers(timeout_s=5.0)
+    try:
+        yield lambda function, **kwargs: scorers(f"{MODULE}:{function}", **kwargs)
+    finally:
+        scorers.close()
 
 
 def namespaces_or_skip() -> None:
