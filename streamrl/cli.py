@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # A run starts Ray itself (`ensure_ray`), never by accident: a Ray call from a thread left
+    # running after `ray.shutdown()` would otherwise start a new local instance whose processes
+    # die with that thread, and Ray then ends this process a minute later. Read by Ray at import.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # inherited by every role process
     try:

@@ -21,6 +21,13 @@ import sys
 import pytest
 from hypothesis import settings
 
+# No Ray call in this process starts Ray by itself. The pytest workers host Ray sessions (the bus,
+# weight-channel and weight-store tests); a thread a test left running that calls Ray after
+# `ray.shutdown()` would otherwise start a new local instance from that thread, whose processes
+# die with the thread, and a minute later Ray ends the worker with exit status 1 ("node down:
+# Not properly terminated", in whatever test runs then). Ray reads this when it is imported.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+
 _exit_status: int | None = None
 
 # No time limit on a property test's examples: the project's tests assert no timings (benchmarks

@@ -411,6 +411,12 @@ class CollectiveSubscriber:
         """The group this engine receives over now (None: the host copy only)."""
         return self._member.epoch if self._member is not None else None
 
+    def close(self) -> None:
+        """Stop this engine's heartbeats and leave its group (the host copy still serves)."""
+        if self._member is not None:
+            self._member.close()
+            self._member = None
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_member": None}
 
@@ -430,8 +436,12 @@ class _Member:
         self.newest: tuple[int, Mapping[str, Any]] | None = None
         self._record: dict[str, Any] | None = None
         self._first_seen: dict[int, float] = {}
+        self._stop = threading.Event()
         for target, name in ((self._heartbeats, "weight-heartbeat"), (self._receive, "weight-rx")):
             threading.Thread(target=target, name=name, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
 
     def overdue(self, version: int) -> bool:
         """True once `version` was announced for this member's group GRACE_S ago."""
@@ -439,7 +449,14 @@ class _Member:
         return time.monotonic() - first > GRACE_S
 
     def _heartbeats(self) -> None:
-        while True:
+        import ray
+
+        while not self._stop.is_set():
+            # Ray shut down in this process (the run, or a test, is over): a call now would
+            # start a new local Ray instance from this thread, whose processes die with the
+            # thread and leave this process to exit a minute later, unable to reach it.
+            if not ray.is_initialized():
+                return
             try:
                 record = self.directory.call("heartbeat", self.id, self.node)
             except SystemExit:  # Ray shutting down this process under a pending call
@@ -448,13 +465,13 @@ class _Member:
                 log.info("weight directory gone (%s): no more heartbeats", e)
                 return
             self._record = record if record is not None and self.id in record["ranks"] else None
-            time.sleep(HEARTBEAT_S)
+            self._stop.wait(HEARTBEAT_S)
 
     def _receive(self) -> None:
         from streamrl.weights.collective import CollectiveWeightReceiver
 
         receiver, joined, tried = None, None, set()
-        while True:
+        while not self._stop.is_set():
             record = self._record
             wanted = record["epoch"] if record is not None else None
             if receiver is not None and wanted != joined:
@@ -497,3 +514,5 @@ class _Member:
                 continue
             log.info("weights: version %d over weight group %d", got[0], joined)
             self.newest = got
+        if receiver is not None:
+            receiver.close()

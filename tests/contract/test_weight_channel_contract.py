@@ -61,6 +61,9 @@ class Channel:
     """One store serves both sides: the subscriber is the publisher itself."""
     stop: Callable[[Any], None] = _nothing
     """What the death of the trainer's process takes with it (its weight server, its group)."""
+    leave: Callable[[Any], None] = _nothing
+    """What the end of an engine's process takes with it (a member's heartbeat and receive
+    threads, which must not outlive the test's Ray instance: `CollectiveSubscriber.close`)."""
     settle: Callable[[Rig], None] = _nothing
     """Brings a new setup to its steady state once its subscriber asked for weights."""
 
@@ -86,6 +89,7 @@ CHANNELS = [
         ("runtime.weights.channel=collective",),
         needs_ray=True,
         stop=_close,
+        leave=_close,
         settle=_until_grouped,
     ),
 ]
@@ -101,6 +105,7 @@ class Rig:
         self.publisher = publisher_for(self.cfg)
         self.trainer = self.ship(self.publisher)
         self.info = {"node": "127.0.0.1", **publisher_info(self.trainer)}
+        self.subscribers: list[WeightSubscriber] = []
         self.subscriber = self.new_subscriber()
         self.version = -1
 
@@ -111,7 +116,8 @@ class Rig:
         return pickle.loads(pickle.dumps(handle))
 
     def new_subscriber(self) -> WeightSubscriber:
-        return self.ship(subscriber_for(self.cfg, self.publisher, self.info))
+        self.subscribers.append(self.ship(subscriber_for(self.cfg, self.publisher, self.info)))
+        return self.subscribers[-1]
 
     def publish(self, tensors: Mapping[str, torch.Tensor] | None = None) -> int:
         """The next version: `tensors`, or a marker holding its number."""
@@ -125,6 +131,8 @@ class Rig:
         self.trainer = self.ship(restarted_publisher(self.cfg, self.publisher, self.info))
 
     def close(self) -> None:
+        for subscriber in self.subscribers:
+            self.channel.leave(subscriber)
         self.channel.stop(self.trainer)
 
 

@@ -6,6 +6,7 @@ import cycles are checked by `lint-imports` (pyproject.toml), run by `make test`
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,3 +89,25 @@ def test_the_run_is_paced_by_the_one_role_that_says_so(monkeypatch: pytest.Monke
     monkeypatch.setattr(registry, "_ROLES", roles)
     with pytest.raises(ValueError, match="exactly one role with RoleSpec.paces_run"):
         registry.pacing_role(cfg)
+
+
+def test_ray_never_starts_itself_in_tests_or_a_run() -> None:
+    """A stray Ray call after `ray.shutdown()` raises instead of starting a new Ray instance
+    (tests/conftest.py, streamrl/cli.py say why)."""
+    import subprocess
+    import sys
+
+    from ray._private import auto_init_hook
+
+    assert not auto_init_hook.enable_auto_connect
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_AUTO_CONNECT"}
+    probe = (
+        "import os, streamrl.cli as cli\n"
+        "try:\n    cli.main(['stop', '/nonexistent-run'])\nexcept (SystemExit, Exception):\n    pass\n"
+        "from ray._private import auto_init_hook\n"
+        "print(auto_init_hook.enable_auto_connect)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
