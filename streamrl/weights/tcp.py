@@ -35,6 +35,7 @@ under a magic of its own: one token check for both channels.
 
 from __future__ import annotations
 
+import abc
 import hmac
 import ipaddress
 import json
@@ -148,7 +149,7 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]  # views into `blobs`, for `fetch_newer` in this process
 
 
-class AuthenticatedServer:
+class AuthenticatedServer(abc.ABC):
     """Listens on one address, admits a client once it proved the shared token (`authenticate`
     is the client side) and serves each admitted connection in a thread of its own, at most
     `max_connections` at once: past that a connection is told so and closed, and a connection
@@ -275,8 +276,9 @@ class AuthenticatedServer:
         conn.sendall(_ACCEPTED)
         return True
 
+    @abc.abstractmethod
     def _serve_requests(self, conn: socket.socket) -> None:
-        raise NotImplementedError
+        """Answer an admitted client's requests on `conn` until it leaves."""
 
 
 class TcpWeightServer(AuthenticatedServer):
