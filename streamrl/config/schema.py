@@ -33,7 +33,11 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     """Built-in tiny model: attention heads (key/value heads are half of these)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for training and the builtin engine."""
+    """Parameter and compute dtype of the policy in every role: the trainer (unless
+    `trainer.mixed_precision`), the builtin engine, the reference, pi_old and critic models;
+    vLLM and SGLang follow it unless `rollout.vllm.dtype` / `rollout.sglang.dtype` say
+    otherwise. Weights travel to the engines in the trainer's dtype, bit for bit, and an engine
+    in another dtype rounds them when it loads them (docs/precision.md)."""
     onednn_linears: bool | Literal["auto"] = "auto"
     """In fp32 on a CPU, run the linear layers of the builtin engine and of the models that train
     and score (trainer, reference, pi_old, critic; forward and backward) through oneDNN instead
@@ -473,7 +477,10 @@ class TrainerConfig(Section):
     """Where the trainer's model lives (and the reference and pi_old models): `auto` is a GPU
     when torch sees one (in a Ray actor: when its placement gives it a GPU), else the CPU."""
     mixed_precision: bool = False
-    """FSDP2 ranks compute in bf16 (gradients reduced and weights kept in fp32)."""
+    """The trainer computes forward and backward in bf16 over fp32 master weights, so its
+    gradients and AdamW state are fp32 too, whatever `model.dtype` (which then sets only the
+    engines' and scoring models' dtype): one process under `torch.autocast`, FSDP2 ranks through
+    their `MixedPrecisionPolicy` (gradients reduced in fp32). docs/precision.md."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, more compute)."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)

@@ -97,16 +97,20 @@ def resolve_device(key: str, device: str) -> str:
     return device
 
 
-def load_policy_model(ctx, device_key: str = "trainer.device", *, onednn: bool = True):
+def load_policy_model(
+    ctx, device_key: str = "trainer.device", *, onednn: bool = True, dtype: str | None = None
+):
     """The policy model of the run `ctx` (an `api.run.RunContext`), on the device the setting
     `device_key` names (the trainer, reference and pi_old models use `trainer.device`, the
     builtin engine `rollout.device`). Every role loads its model through here. `onednn=False`
-    keeps PyTorch's own linears whatever `model.onednn_linears` says (a compiled trainer)."""
+    keeps PyTorch's own linears whatever `model.onednn_linears` says (a compiled or
+    mixed-precision trainer). `dtype` overrides `model.dtype` (a mixed-precision trainer's
+    fp32 master weights)."""
     from streamrl.models.onednn import configure_linears
 
     section, field = device_key.split(".")
     device = resolve_device(device_key, getattr(getattr(ctx.cfg, section), field))
-    model = load_causal_lm(ctx.policy_dir, dtype=ctx.cfg.model.dtype).to(device)
+    model = load_causal_lm(ctx.policy_dir, dtype=dtype or ctx.cfg.model.dtype).to(device)
     if onednn:
         configure_linears(model, ctx.cfg.model.onednn_linears)
     return model

@@ -52,12 +52,15 @@ class Learner:
         min_lr_ratio: float = 0.1,
         padding_free: bool = False,
         compile: bool = False,
+        mixed_precision: bool = False,
     ):
         scheduled_lr(0, lr=lr, schedule=lr_schedule, total_steps=total_steps)  # checks it
         self.model = model
         # What the training forward calls: the model, or a compiled view of it sharing its
         # parameters (evaluation and the engine keep calling the model itself).
         self.forward_model = compile_for_training(model) if compile else model
+        if mixed_precision:  # bf16 compute over fp32 master weights (and so fp32 AdamW state)
+            self.forward_model = BF16Compute(self.forward_model)
         self.lr = lr
         self.lr_schedule = lr_schedule
         self.warmup_steps = warmup_steps
@@ -248,6 +251,28 @@ def _pad_like(mask_bt: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
         values = torch.tensor(np.asarray(s, dtype=np.float32), device=mask_bt.device)
         out[i, : len(values)] = values
     return out
+
+
+class BF16Compute(torch.nn.Module):
+    """`model` called under `torch.autocast` in bf16 (`trainer.mixed_precision`): matmuls and
+    attention run in bf16 while the parameters, their gradients and so the optimizer state stay
+    in the model's fp32. The logits come back in bf16; the log-prob code upcasts them before
+    the softmax."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        dtypes = {p.dtype for p in model.parameters()}
+        if dtypes != {torch.float32}:
+            raise ValueError(
+                f"trainer.mixed_precision keeps fp32 master weights, but the trainer's model "
+                f"holds {sorted(str(d) for d in dtypes)}; load it in float32"
+            )
+        self.model = model
+        self.device_type = next(model.parameters()).device.type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
+            return self.model(*args, **kwargs)
 
 
 def compile_for_training(model):

@@ -66,18 +66,20 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         min_lr_ratio=a.min_lr_ratio,
         padding_free=t.padding_free,
     )
+    # Mixed precision: fp32 master weights whatever `model.dtype` (the engines' and scorers').
+    dtype = "float32" if t.mixed_precision else ctx.cfg.model.dtype
     if t.world_size == 1:
-        # oneDNN's linears are a custom op that inductor cannot lower: a compiled trainer keeps
-        # PyTorch's (inductor then picks the matmul kernels itself).
-        model = load_policy_model(ctx, onednn=not t.compile)
-        return Learner(model, compile=t.compile, **kwargs)
+        # oneDNN's linears are a custom op that inductor cannot lower and autocast does not
+        # cast: a compiled or mixed-precision trainer keeps PyTorch's.
+        model = load_policy_model(ctx, onednn=not (t.compile or t.mixed_precision), dtype=dtype)
+        return Learner(model, compile=t.compile, mixed_precision=t.mixed_precision, **kwargs)
     # Imported here: FSDP2 and distributed checkpoints cost every role process a second of
     # imports (DTensor, sympy) that only a multi-rank trainer needs.
     from streamrl.trainer.ranks import RankedLearner, RankSpec
 
     spec = RankSpec(
         model_dir=str(ctx.policy_dir),
-        dtype=ctx.cfg.model.dtype,
+        dtype=dtype,
         learner_kwargs=kwargs,
         trainer=t,
         device=resolve_device("trainer.device", t.device),

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 def warm_start_key(cfg: Config) -> str:
     relevant = {
-        # How the products are computed changes only their rounding, not what is trained.
-        "model": cfg.model.model_dump(exclude={"onednn_linears"}),
+        # How the products are computed changes only their rounding, not what is trained; the
+        # warm start trains and saves in fp32 whatever `model.dtype` the RL run loads it in.
+        "model": {**cfg.model.model_dump(exclude={"onednn_linears"}), "dtype": "float32"},
         "warm_start": cfg.warm_start.model_dump(),
         "digits": cfg.data.digits,
         "seed": cfg.run.seed,
