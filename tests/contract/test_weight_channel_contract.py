@@ -10,9 +10,9 @@ ones); Ray starts once, only if a channel needs it.
 Properties: -1 and nothing to fetch before the first publish; ``fetch_newer`` answers None when
 up to date and the newest version (not the next) when behind by several; tensors arrive in
 their own dtype and shape, bit for bit (fp32, bf16, fp16, int64 of random bits: NaN payloads,
--0, infinities; non-contiguous; tied), to an engine in its steady state and to a new one; a
-new subscriber gets the current version on its first call; a trainer restarted in place reaches
-the subscribers it had; ``wait_newer`` returns soon after a publish, and after about its
+-0, infinities; non-contiguous; tied; every parameter of a bf16 model), to an engine in its
+steady state and to a new one; a new subscriber gets the current version on its first call; a
+trainer restarted in place reaches the subscribers it had; ``wait_newer`` returns soon after a publish, and after about its
 timeout when nothing comes; subscribers have no ``publish``, and the feeder's calls need no torch.
 """
 
@@ -181,6 +181,34 @@ def _tied() -> dict[str, torch.Tensor]:
     return {"embed": embedding, "lm_head": embedding, "row": embedding[2]}  # one storage
 
 
+def _bf16_model() -> dict[str, torch.Tensor]:
+    """What a bf16 trainer publishes (`model.dtype=bfloat16`): the parameters of a two-layer tiny
+    Qwen3 by name and shape (projections, norm scales, the tied embedding once), in random bits.
+    Spelled out rather than built, so the suite does not import transformers."""
+    vocab, hidden, heads, kv_heads, head_dim, inner = 256, 32, 2, 1, 16, 96
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(2):
+        at = f"model.layers.{layer}"
+        shapes |= {
+            f"{at}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+            f"{at}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            f"{at}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            f"{at}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{at}.self_attn.q_norm.weight": (head_dim,),
+            f"{at}.self_attn.k_norm.weight": (head_dim,),
+            f"{at}.mlp.gate_proj.weight": (inner, hidden),
+            f"{at}.mlp.up_proj.weight": (inner, hidden),
+            f"{at}.mlp.down_proj.weight": (hidden, inner),
+            f"{at}.input_layernorm.weight": (hidden,),
+            f"{at}.post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return {
+        name: random_bits(shape, torch.bfloat16, 10 + i)
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+
+
 CASES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
     "float32": lambda: {"w": random_bits((4, 6), torch.float32, 1)},
     "bfloat16": lambda: {"w": random_bits((4, 6), torch.bfloat16, 2)},
@@ -191,6 +219,7 @@ CASES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
         "strided": random_bits((12,), torch.float32, 7)[::3],
     },
     "tied": _tied,
+    "bf16_model": _bf16_model,
     "scalar_and_empty": lambda: {
         "scalar": random_bits((), torch.float32, 8),
         "empty": torch.zeros(0, 3, dtype=torch.float16),
