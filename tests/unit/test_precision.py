@@ -149,3 +149,32 @@ def test_the_builtin_engine_takes_the_trainers_weights_in_its_own_dtype(model_di
             assert p.dtype == torch.bfloat16
             expected = sent[name].to(torch.bfloat16)  # a no-op for bf16: the bits themselves
             assert torch.equal(p.view(torch.int16), expected.view(torch.int16)), name
+
+
+def test_a_mixed_precision_checkpoint_resumes_with_fp32_master_weights(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The checkpoint holds the fp32 master weights and AdamW state, not bf16 roundings: the
+    resumed learner has the same bits and takes the same next step."""
+    from streamrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    def trained_learner() -> Learner:
+        torch.manual_seed(0)
+        return learner_for(load_causal_lm(model_dir), mixed_precision=True, lr=1e-3)
+
+    learner = trained_learner()
+    learner.accumulate(rows())
+    learner.step()
+    checkpoint = save_checkpoint(tmp_path, 1, learner, model_dir, {})
+    resumed = trained_learner()
+    load_checkpoint(checkpoint, resumed)
+    for (name, p), q in zip(
+        learner.model.named_parameters(), resumed.model.parameters(), strict=True
+    ):
+        assert q.dtype == torch.float32 and torch.equal(p, q), name
+    for each in (learner, resumed):
+        each.accumulate(rows(seed=1))
+        each.step()
+    for p, q in zip(learner.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert {s["exp_avg_sq"].dtype for s in resumed.optimizer.state.values()} == {torch.float32}
