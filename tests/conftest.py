@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "integration/test_collective_channel.py",
     "integration/test_kill_resume.py",
     "integration/test_presets.py",
+    "integration/test_bf16_learns.py",
     "integration/test_fsdp_trainer.py",
     "integration/test_weight_channel.py",
 )
