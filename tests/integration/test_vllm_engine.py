@@ -53,7 +53,7 @@ def train_steps(run_dir) -> list[dict]:
 def test_default_job_learns_with_vllm(tmp_path):
     run_dir = tmp_path / "demo-vllm"
     proc = run_cli(
-        ["train", "rollout.engine=vllm", "trainer.steps=40", f"run.run_dir={run_dir}"],
+        ["train", "rollout.engine=vllm", "trainer.steps=20", f"run.run_dir={run_dir}"],
         timeout=1200,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
