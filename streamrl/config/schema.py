@@ -509,6 +509,16 @@ class RunConfig(Section):
     """Seed of model init, warm start and sampling."""
     tensorboard: bool = True
     """Write TensorBoard event files under run_dir/tb."""
+    wandb: bool = False
+    """Also log to Weights & Biases: every step's metrics (as in metrics.jsonl and TensorBoard),
+    the config (as in config.yaml, secrets left out) and the summary, in run_dir/wandb. Needs
+    the `wandb` extra (pip install -e '.[wandb]'); docs/metrics.md."""
+    wandb_project: str = "streamrl"
+    """W&B project of the run (the entity: $WANDB_ENTITY, else the account's default)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes the run under run_dir/wandb and never contacts the network
+    (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it later); online: it also streams to the
+    W&B server (`wandb login` or $WANDB_API_KEY first). $WANDB_MODE, when set, wins."""
     progress: bool = True
     """Show a progress bar."""
     log_every: int = Field(0, ge=0)

@@ -2,6 +2,7 @@
 
     stats     pure helpers roles use to build metrics (summaries, histograms, tokens/s)
     tracker   per-step sink: metrics.jsonl (source of truth), TensorBoard, console line
+    wandb_run the same steps, the config and the summary in Weights & Biases (run.wandb)
     progress  live progress bar of the RL loop and of other long phases
     memory    peak RSS of the whole process tree, sampled on a thread
     summary   end-of-run summary.json and table
@@ -16,12 +17,14 @@ from streamrl.metrics.progress import RunProgress, phase
 from streamrl.metrics.stats import Throughput, histogram_counts, summarize
 from streamrl.metrics.summary import print_summary, render_summary_table, write_summary
 from streamrl.metrics.tracker import MetricsTracker, read_metrics
+from streamrl.metrics.wandb_run import WandbRun
 
 __all__ = [
     "MetricsTracker",
     "PeakMemorySampler",
     "RunProgress",
     "Throughput",
+    "WandbRun",
     "histogram_counts",
     "phase",
     "plot_run",

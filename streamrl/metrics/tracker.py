@@ -1,19 +1,21 @@
-"""Per-step metrics sink of a run: a JSONL file, TensorBoard event files and the console.
+"""Per-step metrics sink of a run: a JSONL file, TensorBoard event files, W&B and the console.
 
 The driver calls `MetricsTracker.log(step, metrics)` once per training step with a flat
 mapping of slash-separated keys (`reward/mean`, `eval/accuracy`, `time/trainer_s`,
-`staleness/hist`). Three outputs, each for a different reader:
+`staleness/hist`). Up to four outputs, each for a different reader:
 
     run_dir/metrics.jsonl   source of truth; one JSON object per line, flushed on every
                             call so a SIGKILL loses at most the line being written.
                             Plots, summaries and tests read this file.
     run_dir/tb/             TensorBoard event files: scalars as scalars, lists as
                             histograms, None values skipped.
+    W&B                     with `run.wandb=true`: the same, through a `WandbRun` that the
+                            controller opens once per run and finishes (wandb_run.py).
     console                 one compact line every `console_every` steps (0 = never).
 
 When a run resumes from a checkpoint at step S, `truncate_from(S)` drops the JSONL lines
 with step >= S and tells TensorBoard to discard its points from S on, so the resumed run
-does not leave two overlapping curves behind.
+does not leave two overlapping curves behind (W&B cannot drop points: it keeps both).
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from collections.abc import Mapping, Sequence
 from numbers import Integral, Real
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+if TYPE_CHECKING:
+    from streamrl.metrics.wandb_run import WandbRun
 
 MetricValue = float | int | list[float] | None
 
@@ -42,7 +48,7 @@ _MAX_HISTOGRAM_BUCKETS = 30
 
 
 class MetricsTracker:
-    """Writes one record per step to JSONL, TensorBoard and (optionally) the console.
+    """Writes one record per step to JSONL and, optionally, TensorBoard, W&B and the console.
 
     Create one per run in the driver process and `close()` it (or use it as a context
     manager) at the end. Safe to call from several threads of that process.
@@ -53,9 +59,11 @@ class MetricsTracker:
         run_dir: Path,
         *,
         tensorboard: bool = True,
+        wandb: WandbRun | None = None,
         console_every: int = 0,
         console: Console | None = None,
     ) -> None:
+        """`wandb`: mirror every step to this W&B run; its owner finishes it, not `close()`."""
         if console_every < 0:
             raise ValueError(f"console_every must be >= 0 (0 = never), got {console_every}")
         self.run_dir = Path(run_dir)
@@ -69,6 +77,7 @@ class MetricsTracker:
         self._tb = (
             EventFileWriter(str(self.run_dir / TB_DIRNAME), flush_secs=10) if tensorboard else None
         )
+        self._wandb = wandb
         self._closed = False
 
     def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
@@ -94,6 +103,8 @@ class MetricsTracker:
             self._jsonl.flush()
             if self._tb is not None:
                 self._tb.add_event(_tb_event(int(step), wall_time, clean))
+            if self._wandb is not None:
+                self._wandb.log(int(step), clean)
         if self.console_every and step % self.console_every == 0:
             self._console.print(_console_line(int(step), clean), highlight=False, soft_wrap=True)
 
@@ -217,11 +228,13 @@ def _tb_event(step: int, wall_time: float, metrics: Mapping[str, MetricValue]) -
     return event
 
 
-def _histogram_proto(values: list[float]) -> summary_pb2.HistogramProto:
+def histogram_buckets(values: list[float]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(counts, edges) of the finite `values` as TensorBoard and W&B show them; None if there
+    is no finite value. Integers spanning fewer than 30 values get one bucket each."""
     array = np.asarray(values, dtype=np.float64)
     array = array[np.isfinite(array)]
     if array.size == 0:
-        return summary_pb2.HistogramProto()
+        return None
     low, high = float(array.min()), float(array.max())
     integral = bool(np.all(array == np.round(array)))
     if integral and high - low < _MAX_HISTOGRAM_BUCKETS:
@@ -229,7 +242,17 @@ def _histogram_proto(values: list[float]) -> summary_pb2.HistogramProto:
         edges = np.arange(low - 0.5, high + 1.0, 1.0)
     else:
         edges = np.histogram_bin_edges(array, bins=min(_MAX_HISTOGRAM_BUCKETS, array.size))
-    counts, edges = np.histogram(array, bins=edges)
+    return np.histogram(array, bins=edges)
+
+
+def _histogram_proto(values: list[float]) -> summary_pb2.HistogramProto:
+    buckets = histogram_buckets(values)
+    if buckets is None:
+        return summary_pb2.HistogramProto()
+    counts, edges = buckets
+    array = np.asarray(values, dtype=np.float64)
+    array = array[np.isfinite(array)]
+    low, high = float(array.min()), float(array.max())
     return summary_pb2.HistogramProto(
         min=low,
         max=high,

@@ -1,7 +1,7 @@
 """The controller: prepares a run, starts its roles in the chosen mode, and reports.
 
 It owns everything around the roles: the run directory and its saved config, the warm start,
-resume from the latest checkpoint, metrics (console, JSONL, TensorBoard), the progress bar,
+resume from the latest checkpoint, metrics (console, JSONL, TensorBoard, W&B), the progress bar,
 peak memory of the whole process tree, and the end-of-run summary, plot and table. It never
 trains or generates itself.
 """
@@ -12,8 +12,11 @@ import json
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from streamrl.api.registry import load_plugins, pacing_role
 from streamrl.config import Config, ConfigError, dump_yaml
@@ -22,6 +25,7 @@ from streamrl.metrics import (
     MetricsTracker,
     PeakMemorySampler,
     RunProgress,
+    WandbRun,
     phase,
     plot_run,
     print_summary,
@@ -192,12 +196,30 @@ def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     except RunDirInUse as e:
         raise ConfigError(str(e)) from None
     try:
-        return _train(cfg, run_dir, resume, started)
+        with _open_wandb(cfg, run_dir) as wandb_run:  # None unless run.wandb
+            summary = _train(cfg, run_dir, resume, started, wandb_run)
+            if wandb_run is not None:
+                wandb_run.finish(summary)
+            return summary
     finally:
         lock.close()
 
 
-def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> dict[str, Any]:
+def _open_wandb(cfg: Config, run_dir: Path) -> WandbRun | nullcontext[None]:
+    """The run's W&B run (config.yaml's config: secrets left out), or a stand-in when off."""
+    if not cfg.run.wandb:
+        return nullcontext()
+    return WandbRun(
+        run_dir,
+        project=cfg.run.wandb_project,
+        mode=cfg.run.wandb_mode,
+        config=yaml.safe_load(dump_yaml(cfg)),
+    )
+
+
+def _train(
+    cfg: Config, run_dir: Path, resume: Path | None, started: float, wandb_run: WandbRun | None
+) -> dict[str, Any]:
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     clear_stop(run_dir)  # a stop asked of an earlier run in this directory is spent
     run_log = attach_controller_log(run_dir)  # logs/controller.log; roles log beside it
@@ -226,7 +248,10 @@ def _train(cfg: Config, run_dir: Path, resume: Path | None, started: float) -> d
             if not trainer_restarts:  # the data a run starts on, or a resumed run goes on with
                 check_same_data(cfg, run_dir, ctx.train_rows, resuming=checkpoint is not None)
             tracker = MetricsTracker(
-                run_dir, tensorboard=cfg.run.tensorboard, console_every=cfg.run.log_every
+                run_dir,
+                tensorboard=cfg.run.tensorboard,
+                wandb=wandb_run,
+                console_every=cfg.run.log_every,
             )
             if resume is not None or trainer_restarts:  # what came after the checkpoint
                 rewind_logs(run_dir, tracker, start_step)
