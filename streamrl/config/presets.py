@@ -13,6 +13,7 @@ setting needs a model or a scale this project does not have, the table says what
 | rloo | leave-one-out | PPO clip 0.2/0.2 | sequence mean of token sums | k1 in the reward, 0.03 | |
 | reinforce_pp | return-to-go, batch z-score | PPO clip 0.2/0.2 | token mean | k1 in the reward, 0.01 | |
 | gspo | group z-score | sequence ratio, clip 3e-4/4e-4 | sequence mean of token means | none | |
+| cispo | group z-score | clipped IS weight (cap 5), detached, times the log-prob | token mean | none | 4 mini-batches a step, lr 1e-4 |
 | ppo | GAE (gamma 1, lambda 0.95) with a critic | PPO clip 0.2/0.2 | token mean | none | critic role |
 """
 
@@ -45,6 +46,11 @@ PRESETS: dict[str, dict[str, Any]] = {
             "agg": "seq_mean_token_mean",
         }
     },
+    # MiniMax-M1 trains each batch in several off-policy updates, where CISPO's detached
+    # weight keeps every token's gradient that PPO's clip would zero: 8 groups per update is 4
+    # updates per step at the default rollout.batch_prompts of 32, at a lower learning rate (4
+    # AdamW steps per batch at the default 3e-4 collapsed the policy on the built-in task).
+    "cispo": {"loss": {"type": "cispo"}, "mini_batch_groups": 8, "lr": 1e-4},
     "ppo": {"advantage": {"estimator": "gae"}},
 }
 

@@ -341,8 +341,12 @@ class OffPolicyConfig(Section):
     mis_high: float = Field(2.0, gt=0)
     """Masked IS: highest kept ratio."""
     proximal: Literal["current", "pi_old"] = "current"
-    """Policy the PPO ratio is clipped around: the current one (one optimizer step per batch), or
-    decoupled PPO with log-probs from the pi_old role (which follows the published weights)."""
+    """Policy the PPO ratio is clipped around (pi_old of PPO). `current`: the trainer's own
+    weights as they were before the step's first optimizer update; with one update per batch
+    that is the trained policy itself with its gradient stopped (ratio 1), with several
+    (`algorithm.ppo_epochs`, `algorithm.mini_batch_groups`) the trainer computes these
+    log-probs once per batch before updating. `pi_old`: decoupled PPO, the log-probs the pi_old
+    role computed under the newest published weights, for every update of the batch."""
     max_token_staleness: int | None = Field(None, ge=0)
     """Leave out of the loss any token produced more than this many versions ago (None: keep)."""
 
@@ -389,7 +393,9 @@ class DynamicSamplingConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    preset: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "ppo"] = "grpo"
+    preset: Literal[
+        "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo"
+    ] = "grpo"
     """Published recipe to start from (docs/algorithms.md); it fills in the fields below that
     are not set explicitly, so any of them can still be overridden."""
     lr: float = Field(3e-4, gt=0)
@@ -409,6 +415,14 @@ class AlgorithmConfig(Section):
     """Clip the global gradient norm to this (None: no clipping)."""
     micro_batch_groups: int = Field(8, ge=1)
     """Groups per trainer micro-batch (gradients accumulate over a step's micro-batches)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each generated batch; each pass makes one optimizer update per mini-batch
+    (`mini_batch_groups`). Above 1 the PPO ratio moves away from 1 and the clip acts. The
+    version (`trainer.steps`, staleness, the lr schedule) still counts generated batches."""
+    mini_batch_groups: int | None = Field(None, ge=1)
+    """Groups per optimizer update (PPO mini-batch); a step of `rollout.batch_prompts` groups
+    makes ceil(batch_prompts / mini_batch_groups) updates per epoch. None (or at least
+    batch_prompts): one update per epoch, on the whole batch."""
     skip_zero_advantage: bool = True
     """Skip the forward/backward of samples whose advantage is 0 (the gradient is unchanged when
     no KL or entropy term is in the loss; they still count in the loss normaliser)."""

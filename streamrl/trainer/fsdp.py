@@ -173,7 +173,7 @@ class FSDPLearner(Learner):
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         (logits.float().sum() * 0.0).backward()
 
-    def step(self) -> dict[str, float]:
+    def step(self, *, ends_version: bool = True) -> dict[str, float]:
         if dist.is_initialized() and dist.get_world_size() > 1:
             # One all-reduce of fixed keys (a rank with no rows has no statistics yet).
             keys = ("num_tokens", "mismatch_abs_sum", *STAT_MEANS)
@@ -183,7 +183,7 @@ class FSDPLearner(Learner):
             dist.all_reduce(sums)
             self._loss_sum = float(sums[0])
             self._stats = dict(zip(keys, sums[1:].tolist(), strict=True))
-        return super().step()
+        return super().step(ends_version=ends_version)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full weights on rank 0, `{}` elsewhere; every rank must call it."""

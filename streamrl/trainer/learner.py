@@ -3,7 +3,9 @@
 `accumulate` runs forward and backward on one micro-batch and adds its gradient (as a loss *sum*);
 `step` divides the accumulated gradient by the step's global normaliser, clips, and applies it.
 So a step's gradient does not depend on how its samples were split into micro-batches or in
-which order they arrived. The trainer role and the synchronous loop both drive this class.
+which order they arrived. The trainer role and the synchronous loop both drive this class, through
+`service.BatchTrainer`, which makes one such update per batch or, with PPO mini-batches and
+epochs, several (`step(ends_version=False)` for all but the last).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ STAT_MEANS = (
     "is_weight_mean",
     "is_truncated_frac",
     "clip_frac",
+    "approx_kl",
     "kl_mean",
     "entropy_mean",
     "stale_masked_frac",
@@ -79,8 +82,9 @@ class Learner:
         self._reset_step()
 
     def lr_at(self, version: int) -> float:
-        """Learning rate of the step that makes version+1: a function of the version alone, so
-        a resumed run continues the schedule with no extra state (`schedule.scheduled_lr`)."""
+        """Learning rate of every optimizer update of the batch that makes version+1: a
+        function of the version alone (the schedule counts generated batches, not updates), so a
+        resumed run continues the schedule with no extra state (`schedule.scheduled_lr`)."""
         return scheduled_lr(
             version,
             lr=self.lr,
@@ -103,31 +107,21 @@ class Learner:
         self._normaliser += num_skipped_tokens
         if not rows:
             return
-        self.model.train()
         s = self.settings
-        prompts = [r["prompt_ids"] for r in rows]
-        responses = [r["response_ids"] for r in rows]
-        batch = pack(prompts, responses, self.pad_token_id).to(self.device)
-        mask_bt = batch.response_mask_br
         with_entropy = s.entropy_coef > 0
-        if self.padding_free:  # the rows end to end in one sequence: no compute on padding
-            out = padding_free_logprobs(
-                self.forward_model, prompts, responses, self.temperature, with_entropy=with_entropy
-            )
-        else:
-            out = response_logprobs(
-                self.forward_model, batch, self.temperature, with_entropy=with_entropy
-            )
+        mask_bt, out = self._forward(rows, with_entropy=with_entropy)
         logprobs_bt, entropy_bt = out if with_entropy else (out, None)
+        # The proximal policy: computed by the trainer before the step's first update
+        # (`prox_logprobs`, several updates per batch), the pi_old role's (`old_logprobs`), or
+        # None: this forward itself with its gradient stopped.
+        prox_key = next((k for k in ("prox_logprobs", "old_logprobs") if k in rows[0]), None)
         loss_sum, stats = policy_loss_sum(
             logprobs_bt,
             _pad_like(mask_bt, [r["rollout_logprobs"] for r in rows]),
             _advantages(mask_bt, [r["advantages"] for r in rows]),
             mask_bt,
             s,
-            prox_bt=_pad_like(mask_bt, [r["old_logprobs"] for r in rows])
-            if "old_logprobs" in rows[0]
-            else None,
+            prox_bt=_pad_like(mask_bt, [r[prox_key] for r in rows]) if prox_key else None,
             ref_bt=_pad_like(mask_bt, [r["ref_logprobs"] for r in rows]) if s.kl_in_loss else None,
             entropy_bt=entropy_bt,
             versions_bt=_pad_like(mask_bt, [r["versions"] for r in rows])
@@ -141,8 +135,34 @@ class Learner:
         for key, value in stats.items():
             self._stats[key] = self._stats.get(key, 0.0) + value
 
-    def step(self) -> dict[str, float]:
-        """Apply the accumulated gradient; returns the step's loss and statistics.
+    def _forward(self, rows: Sequence[Mapping[str, Any]], *, with_entropy: bool):
+        self.model.train()
+        return training_forward(
+            self.forward_model,
+            rows,
+            pad_token_id=self.pad_token_id,
+            temperature=self.temperature,
+            padding_free=self.padding_free,
+            with_entropy=with_entropy,
+        )
+
+    def logprobs(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        """Each row's response log-probs under the current weights, by the training forward,
+        without a gradient. A step with several optimizer updates calls it on the whole batch
+        before the first one: these are its proximal (pi_old) log-probs."""
+        self.model.train()
+        return detached_logprobs(
+            self.forward_model,
+            rows,
+            pad_token_id=self.pad_token_id,
+            temperature=self.temperature,
+            padding_free=self.padding_free,
+        )
+
+    def step(self, *, ends_version: bool = True) -> dict[str, float]:
+        """Apply the accumulated gradient as one optimizer update; returns its loss and
+        statistics. `ends_version=False` for every update of a batch but its last (PPO
+        mini-batches and epochs): the version, and with it the learning rate, stays.
 
         Under data parallelism the normaliser is summed over ranks, and the gradients were
         averaged over ranks by the data-parallel wrapper (the DDP and FSDP2 default), so the
@@ -170,7 +190,8 @@ class Learner:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        if ends_version:
+            self.version += 1
         tokens = max(self._stats.get("num_tokens", 0.0), 1.0)
         out = {
             "loss": self._loss_sum * scale / world,  # this rank's share of the loss
@@ -229,6 +250,41 @@ class Learner:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+def training_forward(
+    model,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    pad_token_id: int,
+    temperature: float,
+    padding_free: bool,
+    with_entropy: bool = False,
+):
+    """(response mask `[B, T]`, log-probs `[B, T]`, or (log-probs, entropies) with
+    `with_entropy`) of `rows` under `model`, laid out as the learner trains them."""
+    prompts = [r["prompt_ids"] for r in rows]
+    responses = [r["response_ids"] for r in rows]
+    device = next(model.parameters()).device
+    batch = pack(prompts, responses, pad_token_id).to(device)
+    if padding_free:  # the rows end to end in one sequence: no compute on padding
+        out = padding_free_logprobs(
+            model, prompts, responses, temperature, with_entropy=with_entropy
+        )
+    else:
+        out = response_logprobs(model, batch, temperature, with_entropy=with_entropy)
+    return batch.response_mask_br, out
+
+
+def detached_logprobs(model, rows: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[np.ndarray]:
+    """Each row's response log-probs (float32, one array per row) by `training_forward`, without
+    a gradient."""
+    if not rows:
+        return []
+    with torch.no_grad():
+        _, logprobs_bt = training_forward(model, rows, **kwargs)
+    logprobs_bt = logprobs_bt.float().cpu()
+    return [logprobs_bt[i, : len(r["response_ids"])].numpy().copy() for i, r in enumerate(rows)]
 
 
 def _advantages(mask_bt: torch.Tensor, values: Sequence[Any]) -> torch.Tensor:

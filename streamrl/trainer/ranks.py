@@ -48,6 +48,7 @@ import torch.distributed as dist
 from streamrl.config.schema import TrainerConfig
 from streamrl.models.loading import load_causal_lm
 from streamrl.trainer.fsdp import FSDPLearner, data_parallel_mesh, init_distributed, shard_model
+from streamrl.trainer.learner import detached_logprobs
 from streamrl.trainer.microbatch import plan_step
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ LEARNER_FIELDS = (
     "rollout_logprobs",
     "advantages",
     "old_logprobs",
+    "prox_logprobs",
     "ref_logprobs",
     "versions",
 )
@@ -189,7 +191,7 @@ def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -
         if code == _ACCUMULATE:
             _train_share(learner, decode_rows(_broadcast_blob(None)), spec, 0.0)
         elif code == _STEP:
-            learner.step()
+            learner.step(ends_version=bool(arg))
         elif code == _WEIGHTS:
             learner.named_weights()
         elif code == _SAVE:
@@ -241,6 +243,7 @@ class RankedLearner:
         self.local = build_rank_learner(spec)
         # The unsharded copy on rank 0 (CPU): evaluation, save_pretrained, pi_old log-probs.
         self.model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+        self._copy_is_current = False  # `model` holds the ranks' weights (see `named_weights`)
         self.settings = self.local.settings
         self._closed = False
         log.info("trainer: %d FSDP2 ranks on %s", world_size, spec.device)
@@ -270,9 +273,24 @@ class RankedLearner:
         decoded = decode_rows(_broadcast_blob(encode_rows(rows)))
         _train_share(self.local, decoded, self.spec, num_skipped_tokens)
 
-    def step(self) -> dict[str, float]:
-        _command(_STEP)
-        return self.local.step()
+    def step(self, *, ends_version: bool = True) -> dict[str, float]:
+        _command(_STEP, int(ends_version))
+        self._copy_is_current = False
+        return self.local.step(ends_version=ends_version)
+
+    def logprobs(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        """`Learner.logprobs` on rank 0's unsharded copy (no collectives), refreshed first when
+        an update since the last `named_weights` left it behind the ranks."""
+        if not self._copy_is_current:
+            self.named_weights()
+        local = self.local
+        return detached_logprobs(
+            self.model.train(),
+            rows,
+            pad_token_id=local.pad_token_id,
+            temperature=local.temperature,
+            padding_free=local.padding_free,
+        )
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (CPU), gathered from the ranks; also refreshes `model`."""
@@ -282,6 +300,7 @@ class RankedLearner:
             params = dict(self.model.named_parameters())
             for name, value in full.items():
                 params[name].copy_(value)
+        self._copy_is_current = True
         return {name: value.clone() for name, value in full.items()}
 
     def optimizer_state_dict(self, directory: str | Path | None = None) -> dict[str, Any]:
@@ -314,6 +333,7 @@ class RankedLearner:
         path = str(Path(directory) / optimizer_state["dir"])
         _broadcast_blob(_text_blob(path))
         self.local.load_checkpoint(path)
+        self._copy_is_current = False
 
     def close(self) -> None:
         """Stop the worker ranks and leave the process group."""

@@ -92,18 +92,28 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
 def make_batch_trainer(ctx: RunContext) -> BatchTrainer:
     """The learner with the step logic around it (the trainer role's and the synchronous loop's)."""
     from streamrl.trainer.service import BatchTrainer
+    from streamrl.trainer.updates import UpdatePlan
 
-    a = ctx.cfg.algorithm
+    cfg = ctx.cfg
+    a = cfg.algorithm
     learner = make_learner(ctx)
     settings = learner.settings
+    updates = UpdatePlan(
+        epochs=a.ppo_epochs,
+        mini_batch_groups=a.mini_batch_groups,
+        micro_batch_rows=a.micro_batch_groups * cfg.rollout.group_size,
+        seed=cfg.run.seed,
+    )
     return BatchTrainer(
         learner,
         # A zero-advantage sample still has a gradient when KL or entropy is in the loss.
         skip_zero_advantage=a.skip_zero_advantage
         and not settings.kl_in_loss
         and settings.entropy_coef == 0,
-        max_staleness=ctx.cfg.rollout.max_staleness,
+        max_staleness=cfg.rollout.max_staleness,
         mask_truncated=a.shaping.mask_truncated,
+        # One update per batch keeps training each micro-batch as it arrives.
+        updates=updates if updates.several(cfg.rollout.batch_prompts) else None,
     )
 
 

@@ -6,6 +6,9 @@ are in, one optimizer step makes version k+1, the weights go to the weight-sync 
 only then are the rows acknowledged. A sample staler than `max_staleness` (cannot happen under
 admission control, checked anyway) is dropped and counted, never trained.
 
+With PPO mini-batches and epochs (`updates.py`) the groups are held until the batch is complete
+and the step then makes several optimizer updates; the version still advances once per batch.
+
 With dynamic sampling the step trains exactly `batch_prompts` informative groups: the trainer
 adds refill rounds of batch k to the bus itself while too few have signal, and trains a group
 once its rank among the informative ones is certain (`dynamic_sampling.py`).
@@ -29,6 +32,7 @@ from streamrl.api.role import LoopPolicy
 from streamrl.bus.leases import LeaseKeeper
 from streamrl.metrics.stats import summarize
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
+from streamrl.trainer.updates import UpdatePlan, train_updates
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +108,10 @@ def untrained_step_message(step: int, num_rows: int, dropped: Mapping[str, int])
 
 
 class BatchTrainer:
-    """Micro-batch accounting for one optimizer step; shared by the trainer role and the sync loop."""
+    """Micro-batch accounting for one training step; shared by the trainer role and the sync loop.
+
+    `updates`: PPO mini-batches and epochs (None: one optimizer update per batch, its micro-batches
+    trained as they arrive)."""
 
     def __init__(
         self,
@@ -113,11 +120,13 @@ class BatchTrainer:
         skip_zero_advantage: bool,
         max_staleness: int | None,
         mask_truncated: bool = False,
+        updates: UpdatePlan | None = None,
     ):
         self.learner = learner
         self.skip_zero_advantage = skip_zero_advantage
         self.max_staleness = max_staleness
         self.mask_truncated = mask_truncated
+        self.updates = updates
         self.warned_untrained = False  # the first step that trains no sample says why, once
         self._reset()
 
@@ -131,6 +140,10 @@ class BatchTrainer:
         # The micro-batches and dropped rows as received, as slices of `rows_seen` (what the
         # sample record keeps: `record.Event`).
         self.events: list[tuple[str, str | None, int, int]] = []
+        # With `updates`: the rows to compute and the skipped rows' normaliser shares, by group,
+        # held for `finish`.
+        self.held: dict[str, list[Mapping[str, Any]]] = {}
+        self.held_shares: dict[str, float] = {}
 
     def train_microbatch(self, rows: Sequence[Mapping[str, Any]]) -> None:
         start = time.perf_counter()
@@ -144,10 +157,17 @@ class BatchTrainer:
                 continue
             self.trained_ids.append(r["sample_id"])
             if self.skip_zero_advantage and is_zero(r[F.ADVANTAGES]):
-                skipped_tokens += self.learner.settings.normaliser_share(len(r[F.RESPONSE_IDS]))
+                share = self.learner.settings.normaliser_share(len(r[F.RESPONSE_IDS]))
+                skipped_tokens += share
+                if self.updates is not None:
+                    gid = r["group_id"]
+                    self.held_shares[gid] = self.held_shares.get(gid, 0.0) + share
             else:
                 trainable.append(r)
-        self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
+                if self.updates is not None:
+                    self.held.setdefault(r["group_id"], []).append(r)
+        if self.updates is None:
+            self.learner.accumulate(trainable, num_skipped_tokens=skipped_tokens)
         self.events.append(("train", None, first, len(self.rows_seen)))
         self.micro_batches += 1
         self.computed_rows += len(trainable)
@@ -165,7 +185,11 @@ class BatchTrainer:
         (`sample_events`: the rows and micro-batch boundaries, for the sample record; the trainer's
         hooks take them out of the record)."""
         start = time.perf_counter()
-        out = self.learner.step()
+        if self.updates is None:
+            out = {**self.learner.step(), "optimizer_steps": 1.0}
+        else:
+            out = train_updates(self.learner, self.held, self.held_shares, self.updates)
+            self.micro_batches = int(out.pop("micro_batches"))
         self.busy_s += time.perf_counter() - start
         rows = self.rows_seen
         rewards = [float(r[F.REWARD]) for r in rows if r[F.REWARD] is not None]

@@ -7,6 +7,7 @@ normaliser share and divides once per optimizer step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -123,14 +124,13 @@ def policy_loss_sum(
     def total(x_bt: torch.Tensor) -> float:
         return float((x_bt.detach() * mask_bt).sum())
 
-    clipped = (log_ratio.detach().abs() > 0) & (
-        (log_ratio.detach() > torch.log1p(torch.tensor(s.loss.clip_eps_high)))
-        | (log_ratio.detach() < torch.log1p(torch.tensor(-min(s.loss.clip_eps_low, 0.999999))))
-    )
+    log_ratio = log_ratio.detach()
     stats = {
         "is_weight_mean": total(weight_bt),
         "is_truncated_frac": total((weight_bt != raw_w).float()),
-        "clip_frac": total(clipped.float()),
+        "clip_frac": total(clipped_tokens(log_ratio, mask_bt, s.loss).float()),
+        # KL(pi_prox || pi) by Schulman's k3 on tokens drawn from (about) pi_prox: 0 at ratio 1.
+        "approx_kl": total(torch.expm1(log_ratio) - log_ratio),
         "kl_mean": total(kl_bt),
         "entropy_mean": total(entropy_bt) if entropy_bt is not None else 0.0,
         "mismatch_abs_sum": total((logp_bt.detach() - behav_bt).abs()),
@@ -138,3 +138,18 @@ def policy_loss_sum(
         "num_tokens": float(mask_bt.sum()),
     }
     return loss_sum, stats
+
+
+def clipped_tokens(
+    log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, loss: PolicyLossConfig
+) -> torch.Tensor:
+    """Bool `[B, T]`: the tokens whose ratio (to the proximal policy) the loss clipped. PPO: the
+    token ratio outside [1 - clip_eps_low, 1 + clip_eps_high]; GSPO: the sequence ratio outside
+    it; CISPO: the weight capped at `cispo_max_ratio`."""
+    if loss.type == "cispo":
+        return log_ratio_bt > math.log(loss.cispo_max_ratio)
+    if loss.type in ("gspo", "gspo_token"):
+        log_ratio_bt = L.sequence_log_ratio(log_ratio_bt, mask_bt).expand_as(log_ratio_bt)
+    return (log_ratio_bt > math.log1p(loss.clip_eps_high)) | (
+        log_ratio_bt < math.log1p(-min(loss.clip_eps_low, 0.999999))
+    )
