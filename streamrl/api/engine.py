@@ -16,11 +16,29 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are drawn. temperature 0 means greedy."""
+    """How tokens are drawn. temperature 0 means greedy.
+
+    The truncation controls shape the distribution tokens are drawn from (after temperature):
+    `min_p` drops tokens below `min_p` times the most likely one's probability, `top_k` keeps
+    the k most likely (0: off), `top_p` the most likely ones whose probability mass reaches p.
+    An engine records each token's log-prob under the distribution it drew it from, the
+    truncated and renormalised one (docs/engines.md). The response ends at EOS, at a token of
+    `stop_token_ids`, or at the token whose text completes one of `stop` (that token is the
+    response's last, finish reason "stop")."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
     seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def truncated(self) -> bool:
+        """Whether tokens are drawn from a truncated distribution (sampling, and a control on)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
 
 
 @dataclass

@@ -170,6 +170,10 @@ class SglangConfig(Section):
     the rollout process on a free TCP port (its address on the route to the server, 127.0.0.1
     for a launched server); the backend is NCCL when the rollout process has a GPU (the tensors
     go GPU to GPU), gloo otherwise (what the tests use, on CPU)."""
+    top_logprobs_num: int = Field(64, ge=1)
+    """With rollout.top_p / top_k / min_p on: top log-probs asked per token (top_k's when it is
+    smaller), from which the adapter renormalises SGLang's full-distribution log-prob to the
+    truncated one; a kept set larger than this is approximated (`num_inexact_logprobs`)."""
 
 
 class RolloutConfig(Section):
@@ -186,6 +190,18 @@ class RolloutConfig(Section):
     """Longest response, in tokens; longer ones are cut and marked truncated."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (log-probs are taken at this temperature too)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: draw from the most likely tokens whose probability reaches top_p (1.0:
+    off). The rollout log-probs are those of the truncated, renormalised distribution."""
+    top_k: int = Field(0, ge=0)
+    """Draw from the k most likely tokens only (0: off)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Drop tokens less likely than min_p times the most likely token (0: off)."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings: a response ends with the token whose text completes one of them (the
+    tokens are kept and trained; finish reason "stop"). The reward sees the text with them."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response as EOS does (the token is kept, finish reason "stop")."""
     max_staleness: int = Field(1, ge=0)
     """0 = strict on-policy (identical to the synchronous loop); s > 0 lets rollout run s policy
     versions ahead of the trainer."""
@@ -208,6 +224,14 @@ class RolloutConfig(Section):
     """The vLLM engine's settings."""
     sglang: SglangConfig = SglangConfig()
     """The SGLang engine's settings."""
+
+    @model_validator(mode="after")
+    def _check_stops(self) -> RolloutConfig:
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop: {self.stop!r} holds an empty string; give non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids!r}; token ids are >= 0")
+        return self
 
 
 class RewardConfig(Section):

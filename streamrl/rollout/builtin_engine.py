@@ -28,8 +28,10 @@ a counter-based integer hash turned into Gumbel noise, computed for the whole ba
 request therefore draws the same tokens whichever batch or slot it lands in and whoever its
 neighbours are, which is what lets `max_staleness=0` reproduce the synchronous loop exactly; and
 a request resumed as a continuation (prompt plus its tokens so far) draws what it would have
-drawn uninterrupted. Log-probs are those of the sampled token under the temperature-scaled
-logits, in fp32.
+drawn uninterrupted. Log-probs are those of the sampled token under the distribution it was
+drawn from, in fp32: the temperature-scaled logits, truncated by min-p, top-k and top-p when they
+are on (`rollout/sampling.py`, vLLM's order) and renormalised. Stop token ids and stop strings end
+a response as EOS does (stop strings need the tokenizer, `tokenizer=`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from streamrl.api.engine import (
     check_requests,
 )
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
+from streamrl.rollout.sampling import StopStrings, stop_token_set, truncate_logits
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -90,16 +93,25 @@ def gumbel_noise(keys_b2: torch.Tensor, positions_b: torch.Tensor, vocab_size: i
 
 
 def sample_tokens(
-    logits_bv: torch.Tensor, temperature: float, keys_b2: torch.Tensor, positions_b: torch.Tensor
+    logits_bv: torch.Tensor,
+    temperature: float,
+    keys_b2: torch.Tensor,
+    positions_b: torch.Tensor,
+    params: SamplingParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's sampled token (argmax at temperature 0) and its log-prob under
-    log_softmax(logits / temperature), in fp32."""
+    log_softmax(logits / temperature), truncated by `params`' min-p, top-k and top-p (when
+    sampling) and renormalised, in fp32."""
     logits_bv = logits_bv.float()
     if temperature <= 0:
         logp_bv = torch.log_softmax(logits_bv, dim=-1)
         tokens_b = logits_bv.argmax(dim=-1)
     else:
-        logp_bv = torch.log_softmax(logits_bv / temperature, dim=-1)
+        scaled_bv = logits_bv / temperature
+        if params is not None and params.truncated:
+            scaled_bv = truncate_logits(scaled_bv, params)
+        # A dropped token has log-prob -inf: Gumbel noise never lifts it to the argmax.
+        logp_bv = torch.log_softmax(scaled_bv, dim=-1)
         # Gumbel-max: argmax(logp + g) is a draw from Categorical(exp(logp)).
         noise_bv = gumbel_noise(keys_b2, positions_b, logits_bv.shape[-1])
         tokens_b = (logp_bv + noise_bv).argmax(dim=-1)
@@ -412,8 +424,10 @@ class BuiltinEngine:
         pad_token_id: int,
         max_batch_size: int = 512,
         use_onednn: bool | None = None,
+        tokenizer=None,
     ):
         self.model = model
+        self.tokenizer = tokenizer  # decodes responses for stop strings; needed only for them
         self.runner = DecoderRunner(model, use_onednn=use_onednn)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -476,9 +490,13 @@ class _Generation:
         self.max_new = params.max_new_tokens
         keys = [request_key(params.seed, r.request_id) for r in requests]
         self.keys = torch.tensor(keys, dtype=torch.long, device=device)
+        stop_ids = sorted(stop_token_set(params, engine.eos_token_id))
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.stops = StopStrings(engine.tokenizer, params.stop) if params.stop else None
         self.tokens = torch.zeros((num, self.max_new), dtype=torch.long, device=device)
         self.logprobs = torch.zeros((num, self.max_new), dtype=torch.float32, device=device)
         self.versions = torch.zeros((num, self.max_new), dtype=torch.long, device=device)
+        self.stopped = torch.zeros(num, dtype=torch.bool, device=device)  # ended by a stop
         self.results: list[GenerationResult | None] = [None] * num
         self.num_admitted = 0
         num_slots = min(engine.max_batch_size, num)
@@ -544,7 +562,11 @@ class _Generation:
         # The token sampled now sits at position `length` of its sequence (the cache holds
         # everything before it): that position, not the step, keys its noise.
         tokens, logprobs = sample_tokens(
-            logits, self.params.temperature, self.keys[request.clamp(min=0)], self.length[:used]
+            logits,
+            self.params.temperature,
+            self.keys[request.clamp(min=0)],
+            self.length[:used],
+            self.params,
         )
         rows, columns = request[busy], self.count[:used][busy]
         self.tokens[rows, columns] = tokens[busy]
@@ -552,11 +574,26 @@ class _Generation:
         self.versions[rows, columns] = self.engine.version
         self.last[:used] = tokens
         self.count[:used] += busy
-        done = busy & ((tokens == self.engine.eos_token_id) | (self.count[:used] >= self.max_new))
+        stopped = torch.isin(tokens, self.stop_ids)
+        if self.stops is not None:
+            stopped |= self._stop_strings(rows, columns, busy)
+        done = busy & (stopped | (self.count[:used] >= self.max_new))
+        self.stopped[rows] = stopped[busy]
         if bool(done.any()):
             self._finish(done.nonzero().flatten())
         if self.num_admitted == len(self.requests):
             self._pack()
+
+    def _stop_strings(
+        self, rows: torch.Tensor, columns: torch.Tensor, busy: torch.Tensor
+    ) -> torch.Tensor:
+        """Per used slot: whether the token just sampled completes a stop string."""
+        hit = torch.zeros_like(busy)
+        tokens = self.tokens[rows].tolist()
+        slots = busy.nonzero().flatten().tolist()
+        for slot, row_tokens, column in zip(slots, tokens, columns.tolist(), strict=True):
+            hit[slot] = self.stops.ends_here(row_tokens[: column + 1])
+        return hit
 
     def _admit(self) -> torch.Tensor:
         """Give free slots to waiting requests, in request order; return the slots given."""
@@ -577,6 +614,7 @@ class _Generation:
         tokens = self.tokens[indices].tolist()
         logprobs = self.logprobs[indices].tolist()
         versions = self.versions[indices].tolist()
+        stopped = self.stopped[indices].tolist()
         finished = []
         for k, (i, n) in enumerate(zip(indices, counts, strict=True)):
             response = tokens[k][:n]
@@ -585,7 +623,7 @@ class _Generation:
                 response_ids=response,
                 logprobs=logprobs[k][:n],
                 versions=versions[k][:n],
-                finish_reason="stop" if response[-1] == self.engine.eos_token_id else "length",
+                finish_reason="stop" if stopped[k] else "length",
             )
             self.results[i] = result
             finished.append(result)

@@ -37,6 +37,7 @@ def builtin_engine(ctx: RunContext, model=None):
         model = load_policy_model(ctx, "rollout.device")
     return BuiltinEngine(
         model,
+        tokenizer=tok,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         max_batch_size=ctx.cfg.rollout.max_batch_size,
@@ -76,7 +77,14 @@ def sglang_engine(ctx: RunContext):
 def sampling_params(cfg: Config) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=cfg.run.seed
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        seed=cfg.run.seed,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p,
+        stop=tuple(r.stop),
+        stop_token_ids=tuple(r.stop_token_ids),
     )
 
 
