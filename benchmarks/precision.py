@@ -59,21 +59,22 @@ def main() -> None:
         at = args.index("--only")
         only = args[at + 1].split(",")
         del args[at : at + 2]
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in only:
-            results[name] = run(Path(tmp) / name, [*PRECISIONS[name], *args])
+    # Each row is printed as its run ends: a later run that fails keeps the earlier figures.
     print(
         f"{'precision':10} {'steps':>5} {'acc before':>10} {'acc after':>9} {'s/step':>7}"
-        f" {'trainer s/step':>14} {'mismatch':>9} {'peak GiB':>8}"
+        f" {'trainer s/step':>14} {'mismatch':>9} {'peak GiB':>8}",
+        flush=True,
     )
-    for name, s in results.items():
-        print(
-            f"{name:10} {s['num_steps']:5d} {s['initial_eval_accuracy']:10.3f}"
-            f" {s['final_eval_accuracy']:9.3f} {s['rl_wall_time_s'] / s['num_steps']:7.2f}"
-            f" {s['trainer_s_per_step']:14.2f} {s['mismatch']:9.2e}"
-            f" {s['peak_memory_bytes'] / 2**30:8.2f}"
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in only:
+            s = run(Path(tmp) / name, [*PRECISIONS[name], *args])
+            print(
+                f"{name:10} {s['num_steps']:5d} {s['initial_eval_accuracy']:10.3f}"
+                f" {s['final_eval_accuracy']:9.3f} {s['rl_wall_time_s'] / s['num_steps']:7.2f}"
+                f" {s['trainer_s_per_step']:14.2f} {s['mismatch']:9.2e}"
+                f" {s['peak_memory_bytes'] / 2**30:8.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
