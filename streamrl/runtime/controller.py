@@ -34,7 +34,7 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide, reward_trend
 from streamrl.runtime.context import make_run_dir, prepare
-from streamrl.runtime.errors import RoleError, RoleFailed, TrainerLost
+from streamrl.runtime.errors import RoleError, RoleFailed, RunFailed, TrainerLost, one_line
 from streamrl.runtime.logs import (
     CONTROLLER,
     attach_controller_log,
@@ -303,11 +303,20 @@ def _train(
             run_dir,
         )
         raise
-    except Exception as e:
+    except RoleError as e:
         log_failure(run_log, "the run failed")  # the traceback, in logs/controller.log only
-        if isinstance(e, RoleError) and e.log is None:  # not in a role's own log
+        if e.log is None:  # not in a role's own log
             e.log = log_path(run_dir, CONTROLLER)
+        if isinstance(e, RoleFailed):  # the budget is per run: a resume starts it afresh
+            e.resume = run_dir
         raise
+    except ConfigError:
+        raise
+    except Exception as e:  # no raw traceback on the console: one line, and what to do
+        log_failure(run_log, "the run failed")
+        raise RunFailed(
+            f"the run failed: {one_line(e)}", log=log_path(run_dir, CONTROLLER), resume=run_dir
+        ) from e
     finally:
         memory.stop()
         detach(run_log)

@@ -10,14 +10,20 @@ class TrainerLost(RuntimeError):
 
 class RoleError(RuntimeError):
     """A role stopped the run: the CLI prints this one-line reason, not a traceback. `log`: the
-    file that holds the traceback, once known (said after the reason)."""
+    file that holds the traceback, once known (said after the reason); `resume`: the run
+    directory, when `streamrl train --resume` can continue the run as it is (said last)."""
 
-    def __init__(self, reason: str, log: object = None):
+    def __init__(self, reason: str, log: object = None, resume: object = None):
         super().__init__(reason)
-        self.reason, self.log = reason, log
+        self.reason, self.log, self.resume = reason, log, resume
 
     def __str__(self) -> str:
-        return self.reason if self.log is None else f"{self.reason} (traceback: {self.log})"
+        text = self.reason if self.log is None else f"{self.reason} (traceback: {self.log})"
+        if self.resume is not None:
+            text += (
+                f"; `streamrl train --resume {self.resume}` continues it from its latest checkpoint"
+            )
+        return text
 
 
 class RoleNotBuilt(RoleError):
@@ -27,6 +33,11 @@ class RoleNotBuilt(RoleError):
 
 class RoleFailed(RoleError):
     """A role failed more often than its restart budget allows."""
+
+
+class RunFailed(RoleError):
+    """Something the run cannot restart in place failed (a bus shard, the weight store, Ray
+    itself): the run stops with this one line; the traceback is in logs/controller.log."""
 
 
 def one_line(error: BaseException) -> str:

@@ -77,6 +77,7 @@ def test_a_role_that_keeps_failing_stops_the_run_with_its_reason(tmp_path, mode)
         said = "streamrl: role rollout failed: "
     last = proc.stderr.rstrip().splitlines()[-1]  # the server's URL between the two
     assert last.startswith(f"{said}SglangError: "), proc.stderr[-3000:]
-    assert last.endswith(f"{failure} (traceback: {log})"), proc.stderr[-3000:]
+    resume = f"`streamrl train --resume {run_dir}` continues it from its latest checkpoint"
+    assert last.endswith(f"{failure} (traceback: {log}); {resume}"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout  # it is in the logs
     assert "Traceback" in log.read_text()

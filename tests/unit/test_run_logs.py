@@ -163,6 +163,42 @@ def test_a_failure_goes_to_the_controller_log_with_its_traceback(tmp_path):
     assert "ERROR" in text and "the run failed" in text and "ValueError: bad thing" in text
 
 
+def test_a_failure_the_run_cannot_restart_ends_in_one_line_with_the_resume_command(
+    tmp_path, monkeypatch, capsys
+):
+    """A bus shard or the weight store lost (here: the mode's loop raising ConnectionError) is
+    not a role's failure: the console gets the cause and the exact resume command, not a raw
+    traceback; the traceback goes to logs/controller.log."""
+    from streamrl.models.tiny import build_tiny_model_dir
+    from streamrl.runtime import controller
+
+    def lose_the_bus(*_args, **_kwargs):
+        raise ConnectionError("bus shard 0 died unexpectedly")
+
+    monkeypatch.setattr(controller, "_run_mode", lose_the_bus)
+    model = build_tiny_model_dir(
+        tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
+    )
+    run_dir = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            f"model.path={model}",
+            "runtime.mode=inline",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"run.run_dir={run_dir}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err
+    assert "the run failed: ConnectionError: bus shard 0 died unexpectedly" in err
+    assert f"`streamrl train --resume {run_dir}` continues it" in err
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "Traceback" in log and "bus shard 0 died unexpectedly" in log
+
+
 def test_rays_token_auth_notice_is_dropped_and_its_warning_kept():
     from streamrl.runtime.ray_runtime import _QuietTokenNotice
 
