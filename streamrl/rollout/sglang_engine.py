@@ -6,9 +6,17 @@ go in and come out; nothing is tokenized or detokenized on this side.
 
 - **Requests.** Each request is one native `/generate` call with `input_ids`, `return_logprob`
   and `logprob_start_len=-1` (log-probs of output tokens only), sent from a pool of threads: at
-  most `max_running_requests` are in flight, the rest wait here. Sampling is plain softmax
-  sampling (top-p 1, top-k off, no penalties), so SGLang's log-prob of a sampled token is
-  `log_softmax(logits / temperature)`, what the trainer computes.
+  most `max_running_requests` are in flight, the rest wait here. SGLang reports the log-prob of
+  a sampled token under `log_softmax(logits / temperature)`, the full distribution, also when
+  top-p, top-k or min-p truncate what it samples from. With truncation on, the adapter asks for
+  the top `sglang.top_logprobs_num` log-probs of every position as well and renormalises: it
+  finds the kept tokens by SGLang's rule (top-k, then top-p over what is left, then min-p) and
+  records log p - log(kept mass), the log-prob under the distribution the token was drawn from.
+  Where the kept set runs past the returned entries the rest of the mass counts as kept (the
+  recorded log-prob is then too low by at most that mass) and `num_inexact_logprobs` counts it.
+- **Stops.** EOS and `stop_token_ids` go as SGLang's `stop_token_ids`, stop strings as `stop`
+  (the server detokenizes). A response resumed after an in-flight update is checked again here,
+  with the model's tokenizer, for a stop string split between its attempts.
 - **Seeds.** Every request carries `sampling_seed`, a hash of (seed, `request_id`), so its tokens
   do not depend on the batch it lands in. SGLang honours per-request seeds only when started with
   `--enable-deterministic-inference` (the launcher adds it unless told not to).
@@ -45,6 +53,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import queue
 import shutil
 import subprocess
@@ -68,6 +77,7 @@ from streamrl.api.engine import (
     check_requests,
 )
 from streamrl.config.schema import SglangConfig
+from streamrl.rollout.sampling import StopStrings, cut_at_stop
 from streamrl.rollout.seeds import request_seed
 from streamrl.rollout.sglang_client import (
     BackgroundCall,
@@ -82,8 +92,9 @@ from streamrl.rollout.sglang_client import (
 
 log = logging.getLogger(__name__)
 
-# One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type.
-_Output = tuple[list[int], list[float], int, str]
+# One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type, and
+# per position the top log-probs (descending; empty unless asked for).
+_Output = tuple[list[int], list[float], int, str, list[list[float]]]
 
 
 @dataclass
@@ -142,6 +153,7 @@ class SglangEngine:
         self.weight_sync_address = weight_sync_address
         self.weight_sync_port = weight_sync_port
         self.tp_size = tp_size
+        self.model_dir = Path(model_dir)
         self.vocab_size = _vocab_size(Path(model_dir))
         """Prompt ids are checked against it before anything is sent; None (no local model
         directory to read it from) leaves that to the server (recent SGLang answers HTTP 400)."""
@@ -164,6 +176,10 @@ class SglangEngine:
         self._group: WeightGroup | None = None  # the distributed weight group, once made
         self.num_weight_updates = 0
         self.num_continuations = 0
+        self.num_inexact_logprobs = 0
+        """Tokens whose truncated log-prob could not be computed exactly: the kept set ran past
+        the `top_logprobs_num` entries SGLang returned (see the module docstring)."""
+        self._tokenizer: Any = None
         self.server: subprocess.Popen | None = None
         if config.url is None:
             self.server, url = launch_server(
@@ -296,6 +312,7 @@ class SglangEngine:
         check_requests(requests, self.vocab_size)
         if not requests:
             return []
+        stops = StopStrings(self._load_tokenizer(), params.stop) if params.stop else None
         waiting = deque(_Sequence(r) for r in requests)
         # Worker threads only do HTTP; every state change happens on this thread.
         outcomes: queue.Queue[tuple[_Sequence, str, _Output | Exception]] = queue.Queue()
@@ -308,7 +325,7 @@ class SglangEngine:
             while waiting or running:
                 while waiting and len(running) < num_workers:
                     self._send(waiting.popleft(), params, pool, outcomes, running)
-                finished = self._collect(outcomes, running, waiting, params)
+                finished = self._collect(outcomes, running, waiting, params, stops)
                 for seq in finished:
                     results[seq.request.request_id] = self._result(seq)
                 if finished and on_finished is not None:
@@ -355,21 +372,26 @@ class SglangEngine:
         key = seq.request.request_id if done == 0 else f"{seq.request.request_id}@{done}"
         # Random hex ids of one length: SGLang aborts by id prefix, so no id may prefix another.
         rid = f"streamrl-{uuid.uuid4().hex}"
-        payload = {
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens - done,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k or -1,
+            "min_p": params.min_p,
+            "sampling_seed": request_seed(params.seed, key),
+            "stop_token_ids": [self.eos_token_id, *params.stop_token_ids],
+        }
+        if params.stop:
+            sampling["stop"] = list(params.stop)
+        payload: dict[str, Any] = {
             "rid": rid,
             "input_ids": list(seq.request.prompt_ids) + seq.response_ids,
-            "sampling_params": {
-                "max_new_tokens": params.max_new_tokens - done,
-                "temperature": params.temperature,
-                "top_p": 1.0,
-                "top_k": -1,
-                "min_p": 0.0,
-                "sampling_seed": request_seed(params.seed, key),
-                "stop_token_ids": [self.eos_token_id],
-            },
+            "sampling_params": sampling,
             "return_logprob": True,
             "logprob_start_len": -1,
         }
+        if params.truncated:
+            payload["top_logprobs_num"] = self._top_logprobs_num(params)
         seq.sent_in_epoch = self._epoch
         sent_version = self._version
         running[rid] = seq
@@ -383,7 +405,9 @@ class SglangEngine:
 
         pool.submit(attempt)
 
-    def _collect(self, outcomes, running, waiting, params: SamplingParams) -> list[_Sequence]:
+    def _collect(
+        self, outcomes, running, waiting, params: SamplingParams, stops: StopStrings | None
+    ) -> list[_Sequence]:
         """Wait up to `poll_s` for attempts to return; record them. Aborted attempts go back to
         `waiting` as continuations; returns the sequences that are complete."""
         returned = []
@@ -398,28 +422,71 @@ class SglangEngine:
             del running[rid]
             if isinstance(outcome, Exception):
                 raise outcome
-            token_ids, logprobs, version, reason = outcome
+            token_ids, logprobs, version, reason, top = outcome
+            if params.truncated:
+                logprobs = self._renormalise(logprobs, top, params)
+            resumed = bool(seq.response_ids)
             seq.response_ids += token_ids
             seq.logprobs += logprobs
             seq.versions += [version] * len(token_ids)
-            ids = seq.response_ids
-            complete = len(ids) >= params.max_new_tokens or bool(
-                ids and ids[-1] == self.eos_token_id
-            )
+            if reason == "abort" and seq.sent_in_epoch == self._epoch:
+                raise SglangError(
+                    f"SGLang aborted request {seq.request.request_id!r} (id {rid}) although "
+                    "this engine did not pause the server; is another client controlling it?"
+                )
+            # SGLang matches stops within one attempt: a resumed request is checked whole here.
+            cut = cut_at_stop(seq.response_ids, params, self.eos_token_id, stops)
+            if cut is not None and (resumed or reason == "abort"):
+                del seq.response_ids[cut:], seq.logprobs[cut:], seq.versions[cut:]
+                reason = "stop"
+            complete = len(seq.response_ids) >= params.max_new_tokens or reason == "stop"
             if reason == "abort":
-                if seq.sent_in_epoch == self._epoch:
-                    raise SglangError(
-                        f"SGLang aborted request {seq.request.request_id!r} (id {rid}) although "
-                        "this engine did not pause the server; is another client controlling it?"
-                    )
                 if not complete:
                     waiting.append(seq)  # resumed as a continuation under the new weights
                     self.num_continuations += 1
                     continue
-                reason = "stop" if ids and ids[-1] == self.eos_token_id else "length"
+                reason = "length"
             seq.finish_reason = reason
             finished.append(seq)
         return finished
+
+    def _top_logprobs_num(self, params: SamplingParams) -> int:
+        """Top log-probs to ask for per position: the kept set, when top-k bounds it."""
+        if 0 < params.top_k <= self.config.top_logprobs_num:
+            return params.top_k
+        return self.config.top_logprobs_num
+
+    def _renormalise(
+        self, logprobs: list[float], top: list[list[float]], params: SamplingParams
+    ) -> list[float]:
+        """The log-prob of each sampled token under the truncated, renormalised distribution
+        SGLang drew it from, from its full-distribution log-prob and the top ones."""
+        if len(top) != len(logprobs):
+            raise SglangError(
+                f"SGLang returned top log-probs for {len(top)} of {len(logprobs)} tokens; "
+                "the truncated log-probs need them for every token"
+            )
+        out = []
+        for logprob, top_logprobs in zip(logprobs, top, strict=True):
+            mass, exact = kept_mass(top_logprobs, params)
+            self.num_inexact_logprobs += not exact
+            out.append(logprob - math.log(mass))
+        return out
+
+    def _load_tokenizer(self) -> Any:
+        """The model's tokenizer (for stop strings split across the attempts of a request)."""
+        if self._tokenizer is None:
+            from streamrl.models.loading import load_tokenizer
+
+            try:
+                self._tokenizer = load_tokenizer(self.model_dir)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"stop strings need the model's tokenizer on this side, and "
+                    f"{str(self.model_dir)!r} has none that loads ({e}); give the engine a "
+                    "local model directory"
+                ) from e
+        return self._tokenizer
 
     def _update_in_flight(self, update: tuple[int, Mapping[str, Any]]) -> None:
         """Pause the server (running requests come back aborted with their tokens so far), load
@@ -473,6 +540,7 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
         token_ids = [int(p[1]) for p in pairs]
         logprobs = [float(p[0]) for p in pairs]
         reason = meta["finish_reason"]["type"]
+        top = [[float(p[0]) for p in row] for row in meta.get("output_top_logprobs") or []]
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise SglangError(
             f"unexpected /generate response from {engine.url} (missing or malformed "
@@ -484,7 +552,38 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
     reported = meta.get("weight_version")
     if engine.num_weight_updates > 0 and isinstance(reported, str) and reported.isdigit():
         version = int(reported)  # exact even when the response crossed a weight update
-    return token_ids, logprobs, version, reason
+    return token_ids, logprobs, version, reason, top
+
+
+def kept_mass(top_logprobs: Sequence[float], params: SamplingParams) -> tuple[float, bool]:
+    """The probability mass SGLang's truncation keeps at one position, from the position's top
+    log-probs (full distribution, any order), and whether that is exact. SGLang's rule: top-k,
+    then top-p over the renormalised top-k (a token stays while the more likely ones hold less
+    than p), then min-p against the most likely token. When every returned entry stays and more
+    could, the unreturned mass counts as kept (exact: False)."""
+    probs = sorted((math.exp(v) for v in top_logprobs), reverse=True)
+    if not probs:
+        raise SglangError("SGLang returned no top log-probs for a position")
+    rest = max(0.0, 1.0 - sum(probs))
+    kept = probs[: params.top_k] if params.top_k > 0 else probs
+    open_ended = params.top_k <= 0 or params.top_k > len(probs)  # more may be kept unseen
+    total = sum(kept) + (rest if open_ended else 0.0)
+    if params.top_p < 1.0:
+        above, chosen = 0.0, []
+        for p in kept:
+            if above >= params.top_p * total:
+                open_ended = False
+                break
+            chosen.append(p)
+            above += p
+        kept = chosen
+    if params.min_p > 0:
+        floor = params.min_p * probs[0]
+        if kept[-1] < floor:
+            open_ended = False
+        kept = [p for p in kept if p >= floor]
+    mass = sum(kept) + (rest if open_ended else 0.0)
+    return mass, not (open_ended and rest > 0)
 
 
 def _vocab_size(model_dir: Path) -> int | None:

@@ -40,6 +40,7 @@ from streamrl.api.engine import (
 )
 from streamrl.config.schema import VllmConfig
 from streamrl.rollout.balancer import LeastLoaded, Unit, group_by_prompt
+from streamrl.rollout.sampling import StopStrings, cut_at_stop
 from streamrl.rollout.vllm_replica import Replica, SequenceState, as_tensor, engine_envs
 
 __all__ = ["CPU_HEAD_SIZES", "VllmEngine"]
@@ -151,6 +152,11 @@ class VllmEngine:
                     f"{params.max_new_tokens} new tokens exceed vLLM's max_model_len "
                     f"{self.max_model_len}; raise rollout.vllm.max_model_len or shorten prompts"
                 )
+        # vLLM matches stop strings within one attempt; across the attempts of a resumed
+        # request (a string split by an in-flight update) this check finds them.
+        stops = (
+            StopStrings(self.replicas[0].llm.get_tokenizer(), params.stop) if params.stop else None
+        )
         pending = deque(self._units([SequenceState(r) for r in requests], params))
         results: dict[str, GenerationResult] = {}
         num_steps = 0
@@ -162,7 +168,7 @@ class VllmEngine:
                 if weight_poll is not None and num_steps > 0:
                     update = weight_poll()
                     if update is not None:
-                        finished += self._update_in_flight(update, params, pending)
+                        finished += self._update_in_flight(update, params, pending, stops)
                         self._dispatch(pending, params)
                 for replica in self._busy():
                     done = replica.step()
@@ -171,6 +177,8 @@ class VllmEngine:
                     finished += done
                 num_steps += 1
                 for seq in finished:
+                    if seq.attempt > 0:
+                        _end_at_stop(seq, params, self.eos_token_id, stops)
                     results[seq.request.request_id] = self._result(seq)
                 if finished and on_finished is not None:
                     on_finished([results[seq.request.request_id] for seq in finished])
@@ -219,6 +227,7 @@ class VllmEngine:
         update: tuple[int, Mapping[str, Any]],
         params: SamplingParams,
         pending: deque[Unit],
+        stops: StopStrings | None,
     ) -> list[SequenceState]:
         """Record what every engine's running requests have so far, abort them all, load the
         new weights into every engine, and queue each unfinished request as a continuation ahead
@@ -231,8 +240,9 @@ class VllmEngine:
         self.load_weights(*update)
         complete, resumed = [], []
         for seq in sequences:
-            ids = seq.response_ids
-            if len(ids) >= params.max_new_tokens or (ids and ids[-1] == self.eos_token_id):
+            if _end_at_stop(seq, params, self.eos_token_id, stops) or (
+                len(seq.response_ids) >= params.max_new_tokens
+            ):
                 complete.append(seq)
                 continue
             seq.attempt += 1
@@ -260,6 +270,18 @@ class VllmEngine:
             response_ids=ids,
             logprobs=seq.logprobs,
             versions=seq.versions,
-            finish_reason="stop" if ids and ids[-1] == self.eos_token_id else "length",
+            finish_reason="stop" if seq.stopped else "length",
             extra={"engines": seq.engines},
         )
+
+
+def _end_at_stop(
+    seq: SequenceState, params: SamplingParams, eos_token_id: int, stops: StopStrings | None
+) -> bool:
+    """Cut `seq` after the first stop among its tokens (marking it stopped); whether it has one."""
+    cut = cut_at_stop(seq.response_ids, params, eos_token_id, stops)
+    if cut is None:
+        return seq.stopped
+    del seq.response_ids[cut:], seq.logprobs[cut:], seq.versions[cut:]
+    seq.stopped = True
+    return True

@@ -5,7 +5,9 @@ Three choices make the result comparable with the builtin engine and with the tr
 
 - Log-probs are vLLM's `processed_logprobs`: taken after temperature scaling, which is what the
   trainer computes (`log_softmax(logits / temperature)`); vLLM's default `raw_logprobs` would be
-  at temperature 1. The engine runs in the trainer's dtype unless told otherwise.
+  at temperature 1. With min-p, top-k or top-p on they are taken after those too, over the
+  truncated, renormalised distribution the token was drawn from (the behaviour policy of the
+  importance correction). The engine runs in the trainer's dtype unless told otherwise.
 - Every request carries its own vLLM sampling seed, derived from (`seed`, request key), so a
   sample does not depend on the batch (or the engine) it lands in (vLLM draws other noise than
   the builtin engine, so the two sample different tokens from the same seed).
@@ -55,6 +57,8 @@ class SequenceState:
     """Tokens the balancer charged for the current attempt (prompt + remaining budget)."""
     engines: list[int] = field(default_factory=list)
     """The engine that ran each attempt."""
+    stopped: bool = False
+    """The response ended at a stop (EOS, a stop token id or a stop string), not its budget."""
 
     @property
     def vllm_id(self) -> str:
@@ -112,9 +116,14 @@ class Replica:
             max_tokens=params.max_new_tokens - done,
             temperature=params.temperature,
             seed=request_seed(params.seed, key) if params.temperature > 0 else None,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
-            detokenize=False,
+            detokenize=bool(params.stop),  # vLLM matches stop strings in its detokenized text
             # One output per attempt, when it finishes: per-step outputs would cost more than
             # the forward pass of a small model. An in-flight update reads the unfinished
             # attempts' tokens from vLLM's request states instead (`_partial`).
@@ -135,6 +144,7 @@ class Replica:
             seq = self.running.pop(out.request_id)
             completion = out.outputs[0]
             seq.record(completion.token_ids, completion.logprobs, self.version)
+            seq.stopped = completion.finish_reason == "stop"
             finished.append(seq)
         return finished
 

@@ -48,11 +48,12 @@ class Subject:
 
 
 def start_builtin(model_dir: Path, eos_token_id: int, scratch: Path) -> Subject:
-    from streamrl.models.loading import load_causal_lm
+    from streamrl.models.loading import load_causal_lm, load_tokenizer
     from streamrl.rollout.builtin_engine import BuiltinEngine
 
     model = load_causal_lm(model_dir)
-    engine = BuiltinEngine(model, eos_token_id=eos_token_id, pad_token_id=0)
+    tokenizer = load_tokenizer(model_dir)  # for stop strings
+    engine = BuiltinEngine(model, eos_token_id=eos_token_id, pad_token_id=0, tokenizer=tokenizer)
     return Subject(engine, close=lambda: None)
 
 

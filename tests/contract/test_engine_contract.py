@@ -23,6 +23,11 @@ The reference is the model as transformers runs it, and the trainer's log-probs
 - finish_reason is "length" at ``max_new_tokens`` and "stop" at EOS (ending the response);
 - samples at temperature 1 are a function of (seed, request_id): the same across calls and
   batch compositions, different for other request ids or another seed;
+- with top-p, top-k or min-p on, every sampled token lies in the set the rule keeps (written out
+  by hand over the reference's logits) and its log-prob is that of the truncated, renormalised
+  distribution, log(p / kept mass), not the full one;
+- a stop token id or a stop string ends the response with the token that completes it (finish
+  reason "stop"); the response is a prefix of the one drawn without the stop, log-probs too;
 - an empty prompt, or a prompt token id that is negative or outside the vocabulary, is a
   ValueError naming the request and the problem, raised before anything is generated, and the
   engine works afterwards.
@@ -317,6 +322,141 @@ def test_samples_follow_the_seed_and_request_id_not_the_batch(engine: Engine) ->
     assert len({tuple(r.response_ids) for r in group}) == len(group)
     other_seed = engine.generate(requests("c"), SamplingParams(8, 1.0, seed=1))[0]
     assert other_seed.response_ids != alone.response_ids
+
+
+def kept_by_hand(logits: list[float], top_p: float, top_k: int, min_p: float) -> list[int]:
+    """The tokens one truncation control keeps (the suite turns on one at a time, where every
+    engine's order of applying them agrees)."""
+    probs = torch.tensor(logits, dtype=torch.float64).softmax(-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if top_k:
+        return order[:top_k]
+    if min_p:
+        return [i for i in order if probs[i] >= min_p * probs[order[0]]]
+    kept, above = [], 0.0
+    for i in order:  # a token stays while the more likely ones hold less than p
+        if above >= top_p:
+            break
+        kept.append(i)
+        above += probs[i]
+    return kept
+
+
+@pytest.mark.parametrize(
+    "control", [{"top_p": 0.8}, {"top_k": 3}, {"min_p": 0.1}], ids=["top_p", "top_k", "min_p"]
+)
+def test_truncated_sampling_records_the_truncated_distributions_logprobs(
+    engine: Engine, policy, control: dict
+) -> None:
+    temperature = 0.9
+    params = SamplingParams(8, temperature, seed=5, **control)
+    results = engine.generate(requests(*(f"{p}/{i}" for p in PROMPTS for i in range(3))), params)
+    num_cut = 0
+    for result in results:
+        prompt = PROMPTS[result.request_id.split("/")[0]]
+        with torch.no_grad():
+            logits = policy(input_ids=torch.tensor([prompt + result.response_ids])).logits[0]
+        scaled = logits.double() / temperature
+        full = scaled.log_softmax(-1)
+        for t, (token, recorded) in enumerate(
+            zip(result.response_ids, result.logprobs, strict=True)
+        ):
+            position = len(prompt) - 1 + t
+            kept = kept_by_hand(
+                scaled[position].tolist(), **{"top_p": 1.0, "top_k": 0, "min_p": 0.0, **control}
+            )
+            assert token in kept, (result.request_id, t)
+            truncated = full[position, token] - full[position, kept].logsumexp(-1)
+            assert recorded == pytest.approx(float(truncated), abs=LOGPROB_TOLERANCE)
+            num_cut += len(kept) < full.shape[-1] and recorded > full[position, token] + 1e-3
+    assert num_cut > 0  # the truncated log-prob differs from the full one somewhere
+
+
+def test_stop_token_ids_and_stop_strings_end_the_response(engine: Engine, model_dir) -> None:
+    tokenizer = load_tokenizer(model_dir)
+    ids = [f"{p}/{i}" for p in PROMPTS for i in range(2)]
+    free = engine.generate(requests(*ids), SamplingParams(10, 1.0, seed=6))
+    assert all(r.finish_reason == "length" for r in free)
+    stop_id = free[0].response_ids[2]
+    # Two characters drawn by some response, not special tokens: a string across two tokens.
+    specials = set(tokenizer.all_special_ids)
+    pair = next(
+        r.response_ids[i : i + 2]
+        for r in free[1:]
+        for i in range(1, 8)
+        if not specials & set(r.response_ids[i : i + 2])
+    )
+    text = tokenizer.decode(pair)
+    for params in (
+        SamplingParams(10, 1.0, seed=6, stop_token_ids=(stop_id,)),
+        SamplingParams(10, 1.0, seed=6, stop=(text,)),
+    ):
+        stopped = engine.generate(requests(*ids), params)
+        num_stopped = 0
+        for before, after in zip(free, stopped, strict=True):
+            if params.stop_token_ids:
+                cut = next((i + 1 for i, t in enumerate(before.response_ids) if t == stop_id), None)
+            else:
+                cut = next(
+                    (
+                        n
+                        for n in range(1, 11)
+                        if text
+                        in tokenizer.decode(before.response_ids[:n], skip_special_tokens=True)
+                    ),
+                    None,
+                )
+            assert after.response_ids == before.response_ids[: cut or 10], params
+            assert after.logprobs == pytest.approx(
+                before.logprobs[: cut or 10], abs=LOGPROB_TOLERANCE
+            )
+            assert after.finish_reason == ("stop" if cut else "length")
+            num_stopped += cut is not None
+        assert num_stopped >= 1
+
+
+def test_a_stop_string_split_by_an_inflight_update_still_ends_the_response(
+    engine: Engine, subject: Subject, policy, updated, model_dir
+) -> None:
+    """vLLM and SGLang match stop strings within one request; a response resumed after an
+    in-flight update is two requests to them. A string whose first character comes before the
+    update and whose second after it must still end the response there."""
+    tokenizer = load_tokenizer(model_dir)
+    num_old, max_new = 3, 8
+    greedy = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+
+    def generate_with_update(rid: str, params: SamplingParams) -> GenerationResult:
+        engine.load_weights(engine.version + 1, weights_of(policy))
+        ready, new_version = subject.update_after(num_old, 1), engine.version + 1
+        deadline, served = time.monotonic() + WAIT_S, False
+
+        def weight_poll():
+            nonlocal served
+            if served or not (ready() or time.monotonic() > deadline):
+                return None
+            served = True
+            return new_version, weights_of(updated)
+
+        result = engine.generate(requests(rid), params, weight_poll=weight_poll)[0]
+        assert served
+        return result
+
+    specials = set(tokenizer.all_special_ids)
+    for rid in PROMPTS:
+        free = generate_with_update(rid, greedy)
+        pair = free.response_ids[num_old - 1 : num_old + 1]  # the last old token, the first new
+        text = tokenizer.decode(pair)
+        if len(free.response_ids) < max_new or specials & set(pair):
+            continue
+        if text in tokenizer.decode(free.response_ids[:num_old], skip_special_tokens=True):
+            continue
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop=(text,))
+        stopped = generate_with_update(rid, params)
+        assert stopped.response_ids == free.response_ids[: num_old + 1]
+        assert stopped.finish_reason == "stop"
+        assert len(stopped.logprobs) == len(stopped.versions) == num_old + 1
+        return
+    pytest.fail("no prompt's greedy response has two plain characters around the update")
 
 
 @pytest.mark.timeout(120)  # an engine that hangs on bad input fails here, not after 600 s

@@ -8,7 +8,7 @@ What it implements, following SGLang's native API (field names as in SGLang's `i
 | --- | --- |
 | GET /health, /health_generate | 200 once serving |
 | GET /model_info, /get_model_info | model_path, is_generation, weight_version, model_type |
-| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), sampling_seed, stop_token_ids, ignore_eos; `return_logprob`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...]); 400 for empty input_ids, ids outside [0, vocab_size), or past the context length |
+| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), top_p, top_k (-1: off), min_p, stop (strings), stop_token_ids, sampling_seed, ignore_eos; `return_logprob`, `top_logprobs_num`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort, matched}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...], output_top_logprobs [[[logprob, id, null], ...], ...]); 400 for empty input_ids, ids outside [0, vocab_size), or past the context length |
 | POST /abort_request | `rid` (prefix match, as SGLang) or `abort_all`; aborted requests answer with their tokens so far |
 | POST /pause_generation | mode `abort` aborts everything running; `in_place`/`retract` only stop stepping; new requests wait until continued |
 | POST /continue_generation | resumes |
@@ -24,7 +24,11 @@ engine sampling that one token for the sequence so far (prompt plus tokens so fa
 request id `str(sampling_seed)`. The builtin engine's noise depends on (seed, request id, position)
 only, so a request's tokens do not depend on its neighbours, on the step it was admitted in, or on
 being resumed as a continuation; its log-probs are the builtin engine's (`log_softmax(logits /
-temperature)` in fp32). There is no KV cache: every step recomputes the sequences, which is fine
+temperature)` in fp32). With top-p, top-k or min-p the token is drawn from the truncated
+distribution (the builtin engine's rule, which is SGLang's when one control is on), but the
+reported log-probs, as SGLang's, are those of the full temperature-scaled distribution (one more
+forward pass per token computes them). A stop string ends a request at the token whose text
+completes it (`matched` names it). There is no KV cache: every step recomputes the sequences, which is fine
 for the tiny test models.
 
 Run it in-process (`FakeSglangServer(model_dir).start()`) or as a program that accepts the
@@ -44,9 +48,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from streamrl.api.engine import GenerationRequest, SamplingParams
-from streamrl.models.loading import load_causal_lm
+from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.rollout.builtin_engine import BuiltinEngine
+from streamrl.rollout.sampling import StopStrings
 
 
 class HttpError(Exception):
@@ -64,11 +71,21 @@ class _Request:
     seed: int
     stop_ids: set[int]
     return_logprob: bool
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stops: StopStrings | None = None
+    top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list[Any]]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def _as_list(stop: str | list[str]) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
 class FakeSglangServer:
@@ -93,6 +110,7 @@ class FakeSglangServer:
         self.stop_on_model_eos = stop_on_model_eos
         # One token per call, so the builtin engine's own EOS handling never matters.
         self.engine = BuiltinEngine(model, eos_token_id=-1, pad_token_id=0)
+        self.tokenizer = load_tokenizer(model_dir)
         self.hold_at_tokens = hold_at_tokens
         """Test knob, not SGLang: requests stop after this many tokens until the next weight
         update, so a test can update weights mid-generation at a known point."""
@@ -149,13 +167,18 @@ class FakeSglangServer:
             with self._model_lock:
                 sampled = self._sample(batch)
             with self._cond:
-                for req, (token, logprob) in zip(batch, sampled, strict=True):
+                for req, (token, logprob, top) in zip(batch, sampled, strict=True):
                     if req.finish_reason is not None:  # aborted while this step ran
                         continue
                     req.output_ids.append(token)
                     req.logprobs.append(logprob)
+                    req.top_logprobs.append(top)
                     if token in req.stop_ids:
                         self._finish(req, {"type": "stop", "matched": token})
+                    elif req.stops is not None and req.stops.ends_here(req.output_ids):
+                        text = req.stops.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                        matched = next(s for s in req.stops.stops if s in text)
+                        self._finish(req, {"type": "stop", "matched": matched})
                     elif len(req.output_ids) >= req.max_new_tokens:
                         self._finish(req, {"type": "length", "length": len(req.output_ids)})
 
@@ -166,17 +189,31 @@ class FakeSglangServer:
         hold = self.hold_at_tokens
         return [r for r in self._active.values() if hold is None or len(r.output_ids) < hold]
 
-    def _sample(self, batch: list[_Request]) -> list[tuple[int, float]]:
-        """One token for every request of `batch`, with the builtin engine."""
-        out: dict[str, tuple[int, float]] = {}
-        for temperature in {r.temperature for r in batch}:
-            group = [r for r in batch if r.temperature == temperature]
+    def _sample(self, batch: list[_Request]) -> list[tuple[int, float, list[list[Any]]]]:
+        """One token for every request of `batch`, with the builtin engine; its log-prob (and
+        the top ones asked for) under the full temperature-scaled distribution, as SGLang's."""
+        out: dict[str, tuple[int, float, list[list[Any]]]] = {}
+        for knobs in {(r.temperature, r.top_p, r.top_k, r.min_p) for r in batch}:
+            group = [r for r in batch if (r.temperature, r.top_p, r.top_k, r.min_p) == knobs]
+            temperature, top_p, top_k, min_p = knobs
+            params = SamplingParams(1, temperature, 0, top_p=top_p, top_k=top_k, min_p=min_p)
             results = self.engine.generate(
                 [GenerationRequest(str(r.seed), r.input_ids + r.output_ids) for r in group],
-                SamplingParams(max_new_tokens=1, temperature=temperature, seed=0),
+                params,
             )
             for req, result in zip(group, results, strict=True):
-                out[req.rid] = (result.response_ids[0], result.logprobs[0])
+                token, logprob, top = result.response_ids[0], result.logprobs[0], []
+                if params.truncated or req.top_logprobs_num:
+                    with torch.no_grad():
+                        ids = torch.tensor([req.input_ids + req.output_ids])
+                        logits = self.engine.model(input_ids=ids).logits[0, -1].float()
+                    full = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+                    logprob = float(full[token])
+                    values, indices = full.topk(req.top_logprobs_num)
+                    top = [
+                        [v, i, None] for v, i in zip(values.tolist(), indices.tolist(), strict=True)
+                    ]
+                out[req.rid] = (token, logprob, top)
         return [out[r.rid] for r in batch]
 
     def _finish(self, req: _Request, reason: dict[str, Any]) -> None:
@@ -236,6 +273,11 @@ class FakeSglangServer:
             seed=int(seed) if seed is not None else random.getrandbits(63),
             stop_ids=stop_ids if not sp.get("ignore_eos") else set(),
             return_logprob=bool(body.get("return_logprob")),
+            top_p=float(sp.get("top_p", 1.0)),
+            top_k=max(int(sp.get("top_k", -1)), 0),
+            min_p=float(sp.get("min_p", 0.0)),
+            stops=StopStrings(self.tokenizer, _as_list(sp["stop"])) if sp.get("stop") else None,
+            top_logprobs_num=int(body.get("top_logprobs_num") or 0),
         )
         with self._cond:
             self._cond.wait_for(lambda: not self._paused or self._stopped)
@@ -256,6 +298,8 @@ class FakeSglangServer:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)
             ]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = req.top_logprobs
         return {"output_ids": req.output_ids, "meta_info": meta}
 
     def abort_request(self, body: dict[str, Any]) -> None:
