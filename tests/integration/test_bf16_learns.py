@@ -19,7 +19,7 @@ from tests.integration.conftest import read_jsonl, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 15
+STEPS = 10
 
 
 def test_bf16_default_job_learns(tmp_path) -> None:
