@@ -13,7 +13,8 @@ go in and come out; nothing is tokenized or detokenized on this side.
   finds the kept tokens by SGLang's rule (top-k, then top-p over what is left, then min-p) and
   records log p - log(kept mass), the log-prob under the distribution the token was drawn from.
   Where the kept set runs past the returned entries the rest of the mass counts as kept (the
-  recorded log-prob is then too low by at most that mass) and `num_inexact_logprobs` counts it.
+  recorded log-prob is then too low by at most log(1 + rest / kept)), counted in
+  `num_inexact_logprobs`.
 - **Stops.** EOS and `stop_token_ids` go as SGLang's `stop_token_ids`, stop strings as `stop`
   (the server detokenizes). A response resumed after an in-flight update is checked again here,
   with the model's tokenizer, for a stop string split between its attempts.
