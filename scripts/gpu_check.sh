@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: the demo task with vLLM rollout on one GPU, in about five minutes once installed.
+# The GPU check: the demo task with vLLM rollout on one GPU, in about ten minutes once installed.
 #
-# Two real `streamrl train` runs, each reported with its throughput and its vLLM-vs-trainer
+# Real `streamrl train` runs, each reported with its throughput and its vLLM-vs-trainer
 # log-prob mismatch (mean |trainer - rollout| log-prob per trained token, `train/logprob_mismatch`):
 #
 #   1. on-policy  runtime.mode=sync, rollout.engine=vllm, $SYNC_STEPS steps. The engine holds
@@ -11,6 +11,13 @@
 #                 in-flight weight updates) with rollout.engine=vllm, $DEMO_STEPS steps, held-out
 #                 accuracy before and after. The rollout role gets half of the GPU; the trainer
 #                 the other half when its role can train on a GPU (`trainer.device`), else the CPU.
+#   3. bf16       as 1 with model.dtype=bfloat16: trainer and vLLM in bf16 (the mismatch shows
+#                 bf16's drift against run 1's fp32).
+#   4. mixed      as 1 with model.dtype=bfloat16 trainer.mixed_precision=true: bf16 compute over
+#                 fp32 master weights and optimizer state in the trainer, vLLM in bf16.
+#   5. nccl       as 2 for $NCCL_STEPS steps with runtime.weights.channel=collective and
+#                 collective_backend=nccl (trainer and engine on GPUs; gloo in the dry run).
+# LoRA is not part of the check: streamrl does not train adapters yet.
 #
 # FSDP2: the trainer role shards over ranks only with `trainer.world_size` >= 2, one GPU each,
 # and the rollout needs a GPU of its own; on fewer than 3 GPUs (or a streamrl whose trainer has
@@ -28,7 +35,8 @@
 #                      .cache/venv-gpu/bin/python, created with vllm==$VLLM_VERSION and streamrl]
 #   VLLM_VERSION [0.32.0]  VLLM_DTYPE [auto = the trainer's]
 #   SYNC_STEPS [10; 2 in the dry run]  DEMO_STEPS [60; 3 in the dry run]
-#   GPU_CHECK_BUDGET_S [300; 900 in the dry run]: both runs together; a run still going then is
+#   NCCL_STEPS [10; 2 in the dry run]
+#   GPU_CHECK_BUDGET_S [600; 1500 in the dry run]: all runs together; a run still going then is
 #                      stopped and the check fails
 set -euo pipefail
 
@@ -65,12 +73,14 @@ NUM_GPUS=0
 if ((DRY_RUN)); then
     SYNC_STEPS=${SYNC_STEPS:-2}
     DEMO_STEPS=${DEMO_STEPS:-3}
-    BUDGET_S=${GPU_CHECK_BUDGET_S:-900} # two cores shared with other work start vLLM slowly
+    NCCL_STEPS=${NCCL_STEPS:-2}
+    BUDGET_S=${GPU_CHECK_BUDGET_S:-1500} # two cores shared with other work start vLLM slowly
     say "CPU DRY RUN: no GPU is used or checked; the numbers below are not GPU numbers"
 else
     SYNC_STEPS=${SYNC_STEPS:-10}
     DEMO_STEPS=${DEMO_STEPS:-60}
-    BUDGET_S=${GPU_CHECK_BUDGET_S:-300}
+    NCCL_STEPS=${NCCL_STEPS:-10}
+    BUDGET_S=${GPU_CHECK_BUDGET_S:-600}
     command -v nvidia-smi >/dev/null || die "no GPU: nvidia-smi is not installed (no NVIDIA driver)"
     NUM_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
     ((NUM_GPUS > 0)) || die "no GPU: nvidia-smi lists none"
@@ -227,9 +237,23 @@ run() {
     report "$name" "$where"
 }
 
-run on-policy "$SYNC_PLACEMENT" "${COMMON[@]}" "${SYNC_ARGS[@]}" runtime.mode=sync \
-    "trainer.steps=$SYNC_STEPS" trainer.eval_every=0
+ON_POLICY=("${COMMON[@]}" "${SYNC_ARGS[@]}" runtime.mode=sync "trainer.steps=$SYNC_STEPS" trainer.eval_every=0)
+run on-policy "$SYNC_PLACEMENT" "${ON_POLICY[@]}"
 run demo "$DEMO_PLACEMENT" "${COMMON[@]}" "${DEMO_ARGS[@]}" "trainer.steps=$DEMO_STEPS"
+run bf16 "$SYNC_PLACEMENT, bf16" "${ON_POLICY[@]}" model.dtype=bfloat16
+run mixed "$SYNC_PLACEMENT, bf16 compute over fp32 master weights" "${ON_POLICY[@]}" \
+    model.dtype=bfloat16 trainer.mixed_precision=true
+if ((DRY_RUN)); then
+    run nccl "$DEMO_PLACEMENT, weights by gloo broadcast (the dry run's stand-in for NCCL)" \
+        "${COMMON[@]}" "${DEMO_ARGS[@]}" "trainer.steps=$NCCL_STEPS" \
+        runtime.weights.channel=collective runtime.weights.collective_backend=gloo
+elif [[ $TRAINER_DEVICE == cuda ]]; then
+    run nccl "$DEMO_PLACEMENT, weights by NCCL broadcast" "${COMMON[@]}" "${DEMO_ARGS[@]}" \
+        "trainer.steps=$NCCL_STEPS" runtime.weights.channel=collective \
+        runtime.weights.collective_backend=nccl
+else
+    say "nccl run: not run (the trainer is on the CPU; NCCL needs both ends on GPUs)"
+fi
 say "FSDP2: $FSDP_NOTE"
 "$PY" - "$OUT" "$DRY_RUN" "$FSDP_NOTE" "$((SECONDS - STARTED))" <<'PYEOF'
 import json
@@ -237,7 +261,8 @@ import sys
 from pathlib import Path
 
 out, dry_run, fsdp, wall = sys.argv[1:]
-runs = {name: json.loads((Path(out) / f"{name}.json").read_text()) for name in ("on-policy", "demo")}
+names = ("on-policy", "demo", "bf16", "mixed", "nccl")
+runs = {n: json.loads((Path(out) / f"{n}.json").read_text()) for n in names if (Path(out) / f"{n}.json").is_file()}
 report = {"dry_run_on_cpu": dry_run == "1", "fsdp2": fsdp, "wall_s": int(wall), "runs": runs}
 (Path(out) / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
 PYEOF

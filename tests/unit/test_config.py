@@ -636,3 +636,16 @@ def test_a_new_section_is_not_mistaken_for_an_old_key() -> None:
 def test_no_number_may_be_nan_or_infinite(override: str) -> None:
     with pytest.raises(ConfigError, match="finite number"):
         load_config([override])
+
+
+@pytest.mark.parametrize(
+    "example", sorted(p.name for p in (Path(__file__).parents[2] / "examples").glob("*.yaml"))
+)
+def test_every_example_config_loads(example):
+    """The recipes in examples/ stay in step with the config: a renamed or removed key fails."""
+    from streamrl.config import load_config
+
+    cfg = load_config([str(Path(__file__).parents[2] / "examples" / example)])
+    if example == "gsm8k_qwen.yaml":  # the GPU recipe: bf16 compute over fp32 master weights
+        assert cfg.rollout.engine == "vllm" and cfg.model.dtype == "bfloat16"
+        assert cfg.trainer.mixed_precision and cfg.trainer.device == "cuda"
