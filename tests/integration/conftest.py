@@ -28,6 +28,16 @@ QUICK = [
 ]
 
 
+# A learning run kept short: no evaluation between the first and the last, no checkpoints, quiet.
+SHORT = [
+    "trainer.eval_every=0",
+    "trainer.checkpoint_every=0",
+    "run.progress=false",
+    "run.log_every=0",
+    "run.tensorboard=false",
+]
+
+
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
@@ -60,6 +70,23 @@ def run_cli(
             f"streamrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def learning_run(
+    run_dir: Path, *overrides: str, steps: int, timeout: float = 1800
+) -> tuple[dict, list[dict]]:
+    """`streamrl train OVERRIDES` for `steps` steps (SHORT settings) into `run_dir`: its summary
+    and each step's training metrics, once every step trained and the policy started at a
+    held-out accuracy of at most 0.4 (each test sets its own bar for the end)."""
+    run_cli(
+        ["train", *overrides, f"trainer.steps={steps}", *SHORT, f"run.run_dir={run_dir}"],
+        timeout=timeout,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trained = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
+    assert len(trained) == steps == summary["num_steps"], summary
+    assert summary["initial_eval_accuracy"] <= 0.4, summary
+    return summary, trained
 
 
 def tiny_model(folder: Path) -> Path:

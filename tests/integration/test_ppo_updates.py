@@ -6,12 +6,11 @@ checkpoint makes the same updates bit for bit (`streamrl replay`).
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from tests.integration.conftest import QUICK, read_jsonl, run_cli
+from tests.integration.conftest import QUICK, learning_run, read_jsonl, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -23,25 +22,15 @@ UPDATES = ["algorithm.ppo_epochs=2", "algorithm.lr=1e-4"]
 
 @pytest.mark.slow
 def test_grpo_with_two_epochs_of_four_mini_batches_clips_and_learns(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    run_cli(
-        [
-            "train",
-            *UPDATES,
-            "algorithm.mini_batch_groups=4",
-            "rollout.batch_prompts=16",
-            "runtime.mode=threads",
-            "trainer.steps=15",
-            "trainer.eval_every=0",
-            "trainer.checkpoint_every=0",
-            "run.progress=false",
-            "run.tensorboard=false",
-            f"run.run_dir={run_dir}",
-        ],
+    summary, steps = learning_run(
+        tmp_path / "run",
+        *UPDATES,
+        "algorithm.mini_batch_groups=4",
+        "rollout.batch_prompts=16",
+        "runtime.mode=threads",
+        steps=15,
         timeout=900,
     )
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
-    assert len(steps) == 15
     assert all(m["train/optimizer_steps"] == 8 for m in steps)
     assert all(m["samples/trained"] == 16 * 8 for m in steps)  # every sample once per step
     # The ratio leaves 1 after the first update of each batch, so the clip acts.
@@ -49,9 +38,7 @@ def test_grpo_with_two_epochs_of_four_mini_batches_clips_and_learns(tmp_path) ->
         m["train/clip_frac"] for m in steps
     ]
     assert all(m["train/approx_kl"] >= 0 for m in steps)
-    summary = json.loads((run_dir / "summary.json").read_text())
     before, after = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
-    assert before <= 0.4
     assert after >= before + 0.2, f"held-out accuracy {before:.3f} -> {after:.3f}"
 
 

@@ -9,12 +9,10 @@ its own tests). docs/algorithms.md has the full-length figures (benchmarks/prese
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from streamrl.config.presets import PRESETS
-from tests.integration.conftest import read_jsonl, run_cli
+from tests.integration.conftest import learning_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -23,29 +21,12 @@ STEPS = 30
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_preset_learns(tmp_path, preset: str) -> None:
-    run_dir = tmp_path / preset
-    run_cli(
-        [
-            "train",
-            f"algorithm.preset={preset}",
-            "runtime.mode=threads",
-            f"trainer.steps={STEPS}",
-            "trainer.eval_every=0",
-            "trainer.checkpoint_every=0",
-            "run.progress=false",
-            "run.tensorboard=false",
-            f"run.run_dir={run_dir}",
-        ],
-        timeout=1200,
+    summary, steps = learning_run(
+        tmp_path / preset, f"algorithm.preset={preset}", "runtime.mode=threads", steps=STEPS
     )
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["num_steps"] == STEPS and summary["mode"] == "threads"
+    assert summary["mode"] == "threads"
     before, after = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
-    assert before <= 0.4
     assert after >= before + 0.2, f"{preset}: held-out accuracy {before:.3f} -> {after:.3f}"
-
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
-    assert len(steps) == STEPS
     if preset == "ppo":
         assert sum("critic/value_loss" in m for m in steps) >= STEPS - 3
     if preset == "dapo":

@@ -9,11 +9,9 @@ run also logs the rollout/trainer log-prob mismatch, which top-p makes nonzero (
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.integration.conftest import read_jsonl, run_cli
+from tests.integration.conftest import learning_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,31 +19,18 @@ STEPS = 10
 
 
 def test_a_run_with_top_p_and_a_stop_string_learns(tmp_path) -> None:
-    run_dir = tmp_path / "top-p-stop"
-    run_cli(
-        [
-            "train",
-            "rollout.top_p=0.9",
-            "rollout.stop=['+0=']",
-            "reward.function=tests.integration.stop_reward:exact_match_noting_stops",
-            "runtime.mode=inline",
-            "rollout.batch_prompts=16",
-            f"trainer.steps={STEPS}",
-            "trainer.eval_every=0",
-            "trainer.checkpoint_every=0",
-            "data.num_eval=128",
-            "run.progress=false",
-            "run.log_every=0",
-            "run.tensorboard=false",
-            f"run.run_dir={run_dir}",
-        ],
-        timeout=1800,
+    summary, steps = learning_run(
+        tmp_path / "top-p-stop",
+        "rollout.top_p=0.9",
+        "rollout.stop=['+0=']",
+        "reward.function=tests.integration.stop_reward:exact_match_noting_stops",
+        "runtime.mode=inline",
+        "rollout.batch_prompts=16",
+        "data.num_eval=128",
+        steps=STEPS,
     )
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
-    assert len(steps) == STEPS and summary["num_samples_dropped"] == {}, summary
+    assert summary["num_samples_dropped"] == {}, summary
     before, after = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
-    assert before <= 0.4
     assert after >= 0.7, f"held-out accuracy {before:.3f} -> {after:.3f}"
     # The stop string ended responses throughout (a batch of 16 prompts may hold none with a
     # zero digit, so not necessarily at every step).
