@@ -417,9 +417,9 @@ class DynamicSamplingConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    preset: Literal[
-        "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo"
-    ] = "grpo"
+    preset: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo"] = (
+        "grpo"
+    )
     """Published recipe to start from (docs/algorithms.md); it fills in the fields below that
     are not set explicitly, so any of them can still be overridden."""
     lr: float = Field(3e-4, gt=0)
