@@ -191,6 +191,12 @@ def format_status(run_dir: Path) -> str:
                 f"{name:10} {info['node']:15} {info['pid']:>7} {health:8} "
                 f"{info['restarts']:<8} {info.get('log', '')}"
             )
+        for name, info in status.get("services", {}).items():  # bus shards, weight store
+            health = "ok" if info["healthy"] else "down"
+            lines.append(
+                f"{name:10} {'':15} {info['pid']:>7} {health:8} {info['restarts']:<8} "
+                "(events.jsonl)"
+            )
     where = (
         f"logs of every role and the controller: {run_dir}/logs (`streamrl logs {run_dir} ROLE`)"
     )

@@ -332,13 +332,34 @@ class RayBus:
         rest = {**state, "counters": counters}
         self._on({k: (rest,) for k in range(1, self.num_shards)}, "load_state_dict")
 
+    def ping_all(self) -> dict[int, ray.ObjectRef]:
+        """Start a health check of every shard: shard -> a call that answers with its pid, or
+        fails with ``RayActorError`` once the shard's process is gone (the supervisor's use)."""
+        return {k: shard.ping.remote() for k, shard in enumerate(self._shards)}
+
+    def dead_shards(self, timeout_s: float = 10.0) -> list[int]:
+        """The shards whose process is gone (a shard slower than ``timeout_s`` counts as live)."""
+        dead = []
+        for k, ref in self.ping_all().items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                dead.append(k)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
     def close(self) -> None:
-        """Owner: empty the bus and stop its actors. Attached client: detach. Idempotent."""
+        """Owner: empty the bus and stop its actors (a shard already gone is skipped). Attached
+        client: detach. Idempotent."""
         if self._closed:
             return
         if self._owns_actors:
-            self._on_all("close")
             for shard in self._shards:
+                try:
+                    ray.get(shard.close.remote(), timeout=30)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # lost with its rows (the supervisor's case), or hung: killed below
                 ray.kill(shard)
         self._closed = True
 

@@ -9,6 +9,7 @@ as ``WireSlot``s plus one list of unique refs.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -206,6 +207,10 @@ class BusShard:
         return self._bus.release_consumer_ids(consumer)
 
     # -- reporting, checkpoints, shutdown ------------------------------------------------------
+
+    def ping(self) -> int:
+        """This shard's pid (the supervisor's health check)."""
+        return os.getpid()
 
     def stats(self) -> tuple[dict[str, Any], list[str]]:
         return self._bus.stats(), self._bus.lease_ids()

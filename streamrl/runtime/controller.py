@@ -34,7 +34,14 @@ from streamrl.metrics import (
 )
 from streamrl.metrics.stats import SlowerSide, reward_trend
 from streamrl.runtime.context import make_run_dir, prepare
-from streamrl.runtime.errors import RoleError, RoleFailed, RunFailed, TrainerLost, one_line
+from streamrl.runtime.errors import (
+    BusLost,
+    RoleError,
+    RoleFailed,
+    RunFailed,
+    TrainerLost,
+    one_line,
+)
 from streamrl.runtime.logs import (
     CONTROLLER,
     attach_controller_log,
@@ -70,6 +77,8 @@ class RecordSink:
         self.slower_side: SlowerSide | None = None  # from the first record on
         # (step, its reward/mean and reward_components/*) of every training step, for the summary
         self.step_rewards: list[tuple[int, dict[str, float]]] = []
+        # memory/trainer_rank<i>_peak_gib as last reported (high-water marks: the run's peaks)
+        self.trainer_peak_gib: dict[str, float] = {}
 
     def _share(self, role: str, key: str, total: float) -> float:
         """This step's share of a role's cumulative counter (a restarted role counts anew)."""
@@ -153,6 +162,9 @@ class RecordSink:
                 if key.startswith("samples/dropped_"):
                     reason = key.removeprefix("samples/dropped_")
                     self.dropped[reason] = self.dropped.get(reason, 0) + int(value)
+        self.trainer_peak_gib.update(
+            {k: v for k, v in metrics.items() if k.startswith("memory/trainer_rank")}
+        )
         self._last_time = now
         self.tracker.log(step, metrics)
         self.progress.update(step, metrics)
@@ -241,11 +253,17 @@ def _train(
             log.warning("no checkpoint in %s: starting from step 0", run_dir)
         first_start = read_state(checkpoint)["next_step"] if checkpoint else 0
         trainer_restarts = 0
+        # Bus shards lost (each restarts every role), and the restarts in place of attempts
+        # that ended so, for the summary.
+        bus_restarts: dict[str, int] = {}
+        earlier_restarts: dict[str, int] = {}
+        recovering: BusLost | None = None
         sink: RecordSink | None = None
         while True:
             start_step = read_state(checkpoint)["next_step"] if checkpoint else 0
             ctx = prepare(cfg, policy_dir, run_dir, checkpoint)
-            if not trainer_restarts:  # the data a run starts on, or a resumed run goes on with
+            restarted = trainer_restarts or bus_restarts  # every role, from a checkpoint
+            if not restarted:  # the data a run starts on, or a resumed run goes on with
                 check_same_data(cfg, run_dir, ctx.train_rows, resuming=checkpoint is not None)
             tracker = MetricsTracker(
                 run_dir,
@@ -253,7 +271,7 @@ def _train(
                 wandb=wandb_run,
                 console_every=cfg.run.log_every,
             )
-            if resume is not None or trainer_restarts:  # what came after the checkpoint
+            if resume is not None or restarted:  # what came after the checkpoint
                 rewind_logs(run_dir, tracker, start_step)
             progress = RunProgress(
                 cfg.trainer.steps,
@@ -268,14 +286,37 @@ def _train(
                     (m["eval/accuracy"] for m in read_metrics(run_dir) if "eval/accuracy" in m),
                     None,
                 )
-            else:  # after a trainer restart: keep the first evaluation and the counters
+            else:  # after a restart of every role: keep the first evaluation and the counters
                 sink.tracker, sink.progress, sink._last_time = tracker, progress, None
+                sink.step_rewards = [(s, r) for s, r in sink.step_rewards if s <= start_step]
             try:
                 with progress, stop_on_interrupt(run_dir):
-                    role_stats = _run_mode(ctx, sink, start_step)
+                    role_stats = _run_mode(ctx, sink, start_step, recovering, bus_restarts)
                 break
+            except BusLost as e:
+                tracker.close()
+                _add_counts(earlier_restarts, e.restarts or {})
+                used = bus_restarts.get(e.process, 0)
+                if used >= cfg.runtime.ray.max_restarts:
+                    raise RoleFailed(
+                        f"{e}; restart budget (runtime.ray.max_restarts={cfg.runtime.ray.max_restarts}) "
+                        "spent"
+                    ) from e
+                bus_restarts[e.process] = used + 1
+                recovering = e
+                checkpoint = latest_checkpoint(run_dir)
+                log.warning(
+                    "%s: every role restarts from %s (restart %d/%d of %s)",
+                    e,
+                    checkpoint or "the start",
+                    used + 1,
+                    cfg.runtime.ray.max_restarts,
+                    e.process,
+                )
             except TrainerLost as e:
                 tracker.close()
+                _add_counts(earlier_restarts, e.restarts or {})
+                recovering = None
                 if trainer_restarts >= cfg.runtime.ray.max_restarts:
                     raise RoleFailed(
                         f"{e}; restart budget (runtime.ray.max_restarts={cfg.runtime.ray.max_restarts}) "
@@ -293,6 +334,10 @@ def _train(
                 )
         start_step = first_start
         # Restarts of every role (trainer_restarts) plus the trainer's own in place, if any.
+        if bus_restarts or earlier_restarts:
+            restarts = role_stats.setdefault("restarts", {})
+            _add_counts(restarts, earlier_restarts)
+            _add_counts(restarts, bus_restarts)
         in_place = role_stats.get("restarts", {}).get(pacing_role(cfg), 0)
         role_stats["trainer_restarts"] = trainer_restarts + in_place
         rl_wall = role_stats["train_wall_s"]  # from roles ready to the last step
@@ -340,7 +385,18 @@ def _train(
     return summary
 
 
-def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for name, count in counts.items():
+        into[name] = into.get(name, 0) + count
+
+
+def _run_mode(
+    ctx,
+    sink: RecordSink,
+    start_step: int,
+    recovering: BusLost | None = None,
+    bus_restarts: dict[str, int] | None = None,
+) -> dict[str, Any]:
     mode = ctx.cfg.runtime.mode
     if mode == "sync":
         from streamrl.models.loading import set_threads
@@ -358,7 +414,14 @@ def _run_mode(ctx, sink: RecordSink, start_step: int) -> dict[str, Any]:
         return run_threads(ctx, sink, start_step=start_step)
     from streamrl.runtime.ray_runtime import run_ray
 
-    return run_ray(ctx, sink, start_step=start_step, on_rewind=sink.rewind)
+    return run_ray(
+        ctx,
+        sink,
+        start_step=start_step,
+        on_rewind=sink.rewind,
+        recovering=recovering,
+        service_restarts=bus_restarts,
+    )
 
 
 def _summary(
@@ -385,6 +448,8 @@ def _summary(
         "rl_steps_per_s": (sink.last_step - start_step) / max(rl_wall, 1e-9),
         "tokens_per_s": sink.total_tokens / max(rl_wall, 1e-9),
         "peak_memory_bytes": peak_bytes,
+        # Each trainer rank's own peak (its process's high-water mark; on GPU torch's allocations)
+        **{k.removeprefix("memory/"): v for k, v in sink.trainer_peak_gib.items()},
         "num_samples_dropped": dict(sink.dropped),
         **reward_trend([rewards for _, rewards in sink.step_rewards]),
         "num_malformed_dataset_rows": ctx.num_malformed_rows,

@@ -5,7 +5,21 @@ from contextlib import contextmanager
 
 
 class TrainerLost(RuntimeError):
-    """The trainer's process died or its loop failed; resume from the latest checkpoint."""
+    """The trainer's process died or its loop failed; resume from the latest checkpoint.
+    `restarts`: the restarts in place of the attempt that ended (role or process -> count), set
+    by the runtime so that the run's summary counts them."""
+
+    restarts: dict[str, int] | None = None
+
+
+class BusLost(TrainerLost):
+    """A bus shard's process died, and the rows it held with it: the controller restarts every
+    role from the latest checkpoint (the feeder re-adds the batches after it under their own
+    sample ids). `process` names the shard (`bus#<k>`), `since` is when its loss was seen."""
+
+    def __init__(self, reason: str, process: str, since: float):
+        super().__init__(reason)
+        self.process, self.since = process, since
 
 
 class RoleError(RuntimeError):

@@ -33,7 +33,7 @@ from streamrl.config.derived import (
 )
 from streamrl.control import read_requests
 from streamrl.runtime.driver import drive
-from streamrl.runtime.errors import RoleNotBuilt
+from streamrl.runtime.errors import BusLost, RoleError, RoleNotBuilt, TrainerLost
 from streamrl.runtime.logs import attach_role_log, log_failure, start_log_sink
 from streamrl.runtime.placement import (
     RolePlacementGroup,
@@ -52,6 +52,7 @@ from streamrl.weights.channels import (
     restarted_publisher,
     subscriber_for,
 )
+from streamrl.weights.dcs import RayWeights
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class RoleActor:
         self.build_error: str | None = None
         self.poll_s = ctx.cfg.runtime.poll_s
         self._stop = threading.Event()
+        self._republish: dict[str, Any] | None = None  # asked by `republish`, done by the loop
+        self._republish_lock = threading.Lock()
         try:
             self.role = build_role(
                 base_role(name),
@@ -130,12 +133,38 @@ class RoleActor:
     def ping(self) -> bool:
         return True
 
+    def republish(self, timeout_s: float = 240.0) -> int:
+        """The trainer: publish the current weights again (the weight store restarted empty).
+        Done by the loop's thread between two steps, never during an optimizer step; returns
+        the version published."""
+        request: dict[str, Any] = {"done": threading.Event()}
+        with self._republish_lock:
+            self._republish = request
+        if not request["done"].wait(timeout_s):
+            raise TimeoutError(f"{self.name}: no step ended within {timeout_s:.0f}s to publish")
+        if "error" in request:
+            raise request["error"]
+        return request["version"]
+
+    def _serve_republish(self) -> None:
+        with self._republish_lock:
+            request, self._republish = self._republish, None
+        if request is None:
+            return
+        try:
+            request["version"] = self.role.republish()
+            log.info("%s: published version %d again", self.name, request["version"])
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which reports it
+            request["error"] = e
+        request["done"].set()
+
     def run(self) -> None:
         log.info("%s: running", self.name)
         next_stats = time.monotonic() + STATS_LOG_S
 
         def log_stats() -> None:
             nonlocal next_stats
+            self._serve_republish()
             if time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + STATS_LOG_S
                 log.info("%s: %s", self.name, self.role.stats())
@@ -212,9 +241,13 @@ def run_ray(
     *,
     start_step: int = 0,
     on_rewind: Callable[[int], None] | None = None,
+    recovering: BusLost | None = None,
+    service_restarts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Run every role as a Ray actor until the trainer is done. `on_rewind(step)` is called when
-    a lost trainer resumes in place from the checkpoint of `step` (truncate the run's logs)."""
+    a lost trainer resumes in place from the checkpoint of `step` (truncate the run's logs).
+    `recovering`: this attempt follows the loss of a bus shard (its recovery time is logged);
+    `service_restarts`: each bus shard's restarts so far, for `roles.json`."""
     from streamrl.bus.ray_bus import RayBus
 
     t0 = time.perf_counter()
@@ -298,8 +331,13 @@ def run_ray(
         log_sink=log_sink,
         on_removed=group.release if group is not None else None,
         resume_trainer=resume_trainer if in_place_recovery(ctx.cfg) else None,
+        store=trainer_start["weights"]
+        if isinstance(trainer_start["weights"], RayWeights)
+        else None,
+        service_restarts=service_restarts,
     )
     try:
+        supervisor.watch_services()
         # The trainer starts its loop last, so that its first step's time does not include the
         # others' start-up. Over tcp it is also created first: its weight server's address goes
         # to the others. Every other channel needs nothing from it, so all roles are built at
@@ -317,16 +355,33 @@ def run_ray(
             supervisor.run(others)
         supervisor.run([pacer])
         log.info("roles started in %.1fs", time.perf_counter() - t0)
+        if recovering is not None:
+            supervisor.service_recovered(recovering, start_step)
         deployment = RayDeployment(supervisor, bus, ctx.run_dir)
-        train_wall_s = drive(ctx, deployment, on_record)
+        try:
+            train_wall_s = drive(ctx, deployment, on_record)
+        except (RoleError, TrainerLost):
+            raise
+        except Exception as e:
+            # A call that failed because a bus shard died (the driver's own, or one the
+            # supervisor made while handling a role's failure): recover as from its loss.
+            dead = bus.dead_shards()
+            if not dead:
+                raise
+            supervisor.service_died(f"bus#{dead[0]}", e)  # raises BusLost
         stats = _role_stats(supervisor)
         stats["bus"] = bus.stats()
         stats["train_wall_s"] = train_wall_s
         stats["restarts"] = dict(supervisor.restarts)
         log.info("training done at %.1fs", time.perf_counter() - t0)
+    except TrainerLost as e:
+        e.restarts = dict(supervisor.restarts)  # the summary counts them over every attempt
+        raise
     finally:
         supervisor.stop()
         bus.close()
+        if supervisor.store is not None:  # Ray would restart it: this attempt is over
+            ray.kill(supervisor.store.handle)
         ray.kill(log_sink)
         if group is not None:
             group.remove()

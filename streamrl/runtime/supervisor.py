@@ -15,6 +15,14 @@ within `runtime.ray.health_timeout_s` (a hung process is killed, then handled as
 - Each role has `runtime.ray.max_restarts` restarts, with exponential backoff; when they are spent,
   the run fails with the role's last error.
 
+The processes around the roles are watched too (`services`, health checks at the same interval,
+and at once whenever a role fails, since a role often fails because of them):
+
+| process | when it dies |
+| --- | --- |
+| weight store (`weights`, object-store channel) | Ray restarts it under the same handle and re-runs the calls in flight; the supervisor sees the new pid, asks the trainer to publish its current weights again, and counts a restart (same budget); engines keep their version meanwhile |
+| bus shard (`bus#<k>`) | its rows are gone: `BusLost` is raised and the controller restarts every role from the latest checkpoint, where the feeder re-adds the batches after it under their own sample ids; rows before it stay acked (the checkpoint holds them) |
+
 Every failure and action is logged, appended to `events.jsonl` in the run directory and to the
 role's own log file (`logs/<role>.log`), and `roles.json` there always says where each role runs
 (node, pid, log file), its restarts and its health; `streamrl status RUN_DIR` prints it.
@@ -34,7 +42,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from streamrl.api.registry import RoleSpec
-from streamrl.runtime.errors import RoleFailed, RoleNotBuilt, TrainerLost, one_line
+from streamrl.runtime.errors import BusLost, RoleFailed, RoleNotBuilt, TrainerLost, one_line
 from streamrl.runtime.logs import log_path, supervisor_line
 from streamrl.runtime.roles import base_role
 from streamrl.runtime.status import EVENTS_FILE, STATUS_FILE
@@ -71,6 +79,8 @@ class Supervisor:
         log_sink=None,
         on_removed: Callable[[str], None] | None = None,
         resume_trainer: Callable[[], str] | None = None,
+        store=None,
+        service_restarts: Mapping[str, int] | None = None,
     ):
         self.make_actor = make_actor
         self.bus = bus
@@ -92,6 +102,12 @@ class Supervisor:
         self._last_health = 0.0
         self._stopped = False
         self.draining: dict[str, Any] = {}  # replica -> its run ref, while it finishes its work
+        # The processes around the roles: bus shards, and the weight store when it is an actor
+        # Ray restarts (`weights/dcs.py`; `store` has `.handle`).
+        self.store = store
+        self.services: dict[str, dict[str, Any]] = {}
+        self._carried = dict(service_restarts or {})  # bus shard restarts of earlier attempts
+        self._service_pings: dict[str, Any] = {}
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -117,6 +133,96 @@ class Supervisor:
             }
         if run:
             self.run(names)
+        self.write_status()
+
+    def watch_services(self) -> None:
+        """Learn the bus shards' and the weight store's processes (their first health check)."""
+        for name, ref in self._service_refs().items():
+            pid = _pid(ray.get(ref, timeout=60))
+            self.services[name] = {
+                "pid": pid,
+                "healthy": True,
+                "restarts": self._carried.get(name, 0),
+            }
+        self.write_status()
+
+    def _service_refs(self) -> dict[str, Any]:
+        refs = {f"bus#{k}": ref for k, ref in self.bus.ping_all().items()}
+        if self.store is not None:
+            refs["weights"] = self.store.handle.incarnation.remote()
+        return refs
+
+    def check_services(self, timeout_s: float = 10.0) -> None:
+        """Check every service now (a role failed: was it because of one?)."""
+        for name, ref in self._service_refs().items():
+            try:
+                self._service_answered(name, ray.get(ref, timeout=timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                pass  # busy, not dead: the next health check looks again
+            except RayActorError as e:
+                self.service_died(name, e)
+
+    def _service_answered(self, name: str, answer: Any) -> None:
+        info = self.services.get(name)
+        if info is None:
+            return
+        pid = _pid(answer)
+        if pid != info["pid"]:
+            self._store_restarted(name, info["pid"], pid)
+
+    def service_died(self, name: str, error: Exception) -> None:
+        """Service `name` is gone (a health check failed, or a call to it did): mark it down,
+        log the event and raise `BusLost`, which restarts every role from the latest checkpoint."""
+        info = self.services[name]
+        info["healthy"] = False
+        reason = f"process died (pid {info['pid']}, {type(error).__name__})"
+        # A shard's rows are gone; the store only dies for good if Ray cannot restart it.
+        what = "bus shard" if name.startswith("bus#") else "weight store"
+        self._event(name, reason, f"{what} lost: every role restarts from the latest checkpoint")
+        self.write_status()
+        raise BusLost(f"{what} {name} lost: {reason}", process=name, since=time.time())
+
+    def service_recovered(self, lost: BusLost, start_step: int) -> None:
+        """Every role runs again after the loss of `lost.process`: log how long that took."""
+        self._event(
+            lost.process,
+            "recovered",
+            f"every role restarted from step {start_step}, "
+            f"{time.time() - lost.since:.1f}s after the loss",
+        )
+
+    def _store_restarted(self, name: str, old_pid: int, new_pid: int) -> None:
+        """Ray restarted the weight store (empty): have the trainer publish its weights again."""
+        t0 = time.monotonic()
+        info = self.services[name]
+        used = info["restarts"]
+        if used >= self.max_restarts:
+            info["healthy"] = False
+            self._event(
+                name, f"process died (pid {old_pid})", "restart budget spent: stopping the run"
+            )
+            self.write_status()
+            raise RoleFailed(
+                f"the weight store's process died {used + 1} times "
+                f"(runtime.ray.max_restarts={self.max_restarts})"
+            )
+        info.update(pid=new_pid, restarts=used + 1, healthy=True)
+        self.restarts[name] = used + 1
+        if self.pacer in self.runs:
+            try:
+                version = ray.get(self.actors[self.pacer].republish.remote(), timeout=300)
+                how = f"the trainer published version {version} again"
+            except (RayActorError, RayTaskError, ray.exceptions.GetTimeoutError) as e:
+                how = f"the trainer could not publish again ({one_line(e)}): its next step will"
+        else:
+            how = "the trainer publishes when it restarts"
+        info["recovery_s"] = round(time.monotonic() - t0, 3)
+        self._event(
+            name,
+            f"process died (pid {old_pid})",
+            f"restarted by Ray as pid {new_pid} ({used + 1}/{self.max_restarts}); {how} "
+            f"in {info['recovery_s']:.1f}s",
+        )
         self.write_status()
 
     def run(self, names: list[str]) -> None:
@@ -167,11 +273,20 @@ class Supervisor:
                     name, f"no answer to a health check in {self.health_timeout_s:.0f}s", "killed"
                 )
                 ray.kill(self.actors[name])  # its run ref now fails and `check` restarts it
+        for name, ref in list(self._service_pings.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self._service_pings[name]
+                try:
+                    self._service_answered(name, ray.get(ref))
+                except RayActorError as e:
+                    self.service_died(name, e)
         if now - self._last_health >= self.health_interval_s:
             self._last_health = now
             for name in self.runs:
                 if name not in self._pings:
                     self._pings[name] = (self.actors[name].ping.remote(), now)
+            if self.services and not self._service_pings:
+                self._service_pings = self._service_refs()
 
     def failed(self, name: str, reason: str) -> None:
         """Handle a role that failed: restart it, or raise (the trainer without in-place
@@ -179,6 +294,8 @@ class Supervisor:
         self.info[name]["healthy"] = False
         self.runs.pop(name, None)
         self._pings.pop(name, None)
+        if self.services:
+            self.check_services()  # a lost shard raises BusLost: restarting this role is moot
         if name == self.pacer and self.resume_trainer is None:
             self._event(name, reason, "resume from the latest checkpoint, restarting every role")
             self.write_status()
@@ -263,7 +380,12 @@ class Supervisor:
             )
 
     def write_status(self) -> None:
-        status = {"updated": time.time(), "running": not self._stopped, "roles": self.info}
+        status = {
+            "updated": time.time(),
+            "running": not self._stopped,
+            "roles": self.info,
+            "services": self.services,
+        }
         tmp = self.run_dir / (STATUS_FILE + ".tmp")
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(self.run_dir / STATUS_FILE)
@@ -288,6 +410,11 @@ class Supervisor:
             _wait_gone(actor)
         self._stopped = True
         self.write_status()
+
+
+def _pid(answer: Any) -> int:
+    """The pid in a service's health answer: a shard's pid, or the store's `incarnation`."""
+    return answer["pid"] if isinstance(answer, dict) else answer
 
 
 def _start_error(name: str, error: RayActorError) -> str:

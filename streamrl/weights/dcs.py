@@ -9,12 +9,20 @@ object store. A bucket is a JSON header (each tensor's name, dtype and shape) an
 raw bytes as a flat uint8 array: every dtype (bf16 too) travels bit for bit, and no tensor is
 pickled. Torch is imported only to publish and to fetch tensors: the feeder, which only follows
 versions, never imports it.
+
+The store actor of the object-store channel is supervised (`runtime/supervisor.py`): Ray restarts
+a killed one under the same handle (`max_restarts=-1`) and re-runs the calls that were in flight
+(`max_task_retries=-1`), so no caller sees the loss. The new process holds nothing (version -1)
+until the trainer publishes again, which the supervisor asks of it at once (`incarnation` tells
+it that the process changed); meanwhile engines keep the version they hold, and a fetch whose
+buckets died with the old process finds nothing newer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -125,6 +133,7 @@ class _WeightStoreActor:
         self.version = -1
         self.refs: list[Any] = []
         self._published: asyncio.Event | None = None  # set, and replaced, by every new version
+        self._started = time.time()
 
     def _event(self) -> asyncio.Event:
         if self._published is None:  # made on the actor's event loop, by its first caller
@@ -163,6 +172,11 @@ class _WeightStoreActor:
     def latest_version(self) -> int:
         return self.version
 
+    def incarnation(self) -> dict[str, Any]:
+        """This process: its pid, when it started, and the version it holds (the supervisor's
+        health check; a new pid means Ray restarted the store)."""
+        return {"pid": os.getpid(), "started": self._started, "version": self.version}
+
 
 class RayStoreClient:
     """The subscribing side of a store actor (`_WeightStoreActor` or a subclass); picklable
@@ -190,7 +204,13 @@ class RayStoreClient:
         if found is None:
             return None
         version, holders = found
-        return version, from_buckets(ray.get([h[0] for h in holders]))
+        try:
+            buckets = ray.get([h[0] for h in holders])
+        except ray.exceptions.ObjectLostError:
+            # The store died after answering (its objects die with it): nothing newer for now;
+            # its successor holds the trainer's next publish.
+            return None
+        return version, from_buckets(buckets)
 
 
 class RayWeights(RayStoreClient):
@@ -201,7 +221,11 @@ class RayWeights(RayStoreClient):
         import ray
 
         # An asyncio actor (its waits hold no thread): Ray runs up to 1,000 of its calls at once.
-        actor = ray.remote(num_cpus=0)(_WeightStoreActor).remote()
+        # Restarted in place when its process dies, calls in flight re-run on the new one (see
+        # the module's docstring).
+        actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
+            _WeightStoreActor
+        ).remote()
         return cls(actor, bucket_bytes)
 
     def publish(self, version: int, named_tensors: Mapping[str, Any]) -> None:

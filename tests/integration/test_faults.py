@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from streamrl.runtime.status import live_pid
 from tests.integration.conftest import QUICK, REPO, cli_env, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,14 +41,6 @@ def start(args: list[str], run_dir: Path) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
-
-
-def role_pid(run_dir: Path, role: str) -> int | None:
-    try:
-        info = json.loads((run_dir / "roles.json").read_text())["roles"][role]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        return None
-    return info["pid"] if info["healthy"] else None
 
 
 def steps_done(run_dir: Path) -> int:
@@ -70,8 +63,8 @@ def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 300):
 def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) -> None:
     """SIGKILL `role`'s process once `at_step` steps are done; wait for its replacement."""
     wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
-    pid = wait_for(proc, f"a live {role}", lambda: kill_if_ours(proc, role_pid(run_dir, role)))
-    wait_for(proc, f"{role} restarted", lambda: role_pid(run_dir, role) not in (None, pid))
+    pid = wait_for(proc, f"a live {role}", lambda: kill_if_ours(proc, live_pid(run_dir, role)))
+    wait_for(proc, f"{role} restarted", lambda: live_pid(run_dir, role) not in (None, pid))
 
 
 def kill_if_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
@@ -173,7 +166,7 @@ def test_trainer_killed_resumes_from_its_checkpoint(tmp_path, quick_cache):
     ]
     proc = start(args, run_dir)
     try:
-        rollout_pid = wait_for(proc, "a live rollout", lambda: role_pid(run_dir, "rollout"))
+        rollout_pid = wait_for(proc, "a live rollout", lambda: live_pid(run_dir, "rollout"))
         kill_role(proc, run_dir, "trainer", at_step=12)
         out = finish(proc)
     finally:
@@ -184,7 +177,7 @@ def test_trainer_killed_resumes_from_its_checkpoint(tmp_path, quick_cache):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_restarts"] == 1
     assert summary["role_restarts"] == {"trainer": 1}  # nobody else restarted
-    assert role_pid(run_dir, "rollout") == rollout_pid  # the same engine served the whole run
+    assert live_pid(run_dir, "rollout") == rollout_pid  # the same engine served the whole run
     trained = trained_ids(run_dir)
     assert max(trained.values()) == 1, "a sample was trained twice"
     assert set(trained) == all_ids(steps, 4, 4)

@@ -208,3 +208,21 @@ def test_rays_token_auth_notice_is_dropped_and_its_warning_kept():
     quiet = _QuietTokenNotice()
     assert not quiet.filter(record("Token authentication is enabled for this Ray cluster. Set"))
     assert quiet.filter(record("Token authentication is disabled for this Ray cluster. Anyone"))
+
+
+def test_live_pid_reads_roles_and_services_while_healthy(tmp_path) -> None:
+    from streamrl.runtime.status import STATUS_FILE, live_pid
+
+    assert live_pid(tmp_path, "trainer") is None  # before the run wrote roles.json
+    status = {
+        "roles": {"trainer": {"pid": 5, "healthy": True}, "reward": {"pid": 6, "healthy": False}},
+        "services": {"bus#0": {"pid": 7, "healthy": True}, "weights": {"pid": 8, "healthy": False}},
+    }
+    (tmp_path / STATUS_FILE).write_text(json.dumps(status))
+    assert [live_pid(tmp_path, n) for n in ("trainer", "reward", "bus#0", "weights", "x")] == [
+        5,
+        None,
+        7,
+        None,
+        None,
+    ]

@@ -4,6 +4,8 @@ version holds it back."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from streamrl.api.role import LoopPolicy
 from streamrl.api.weights import poll_newer
 from streamrl.data.role import FeederRole
 from streamrl.weights.collective_channel import GroupDirectory
-from streamrl.weights.dcs import InProcessWeights, RayWeights
+from streamrl.weights.dcs import InProcessWeights, RayStoreClient, RayWeights
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,47 @@ def test_publish_then_fetch_newer(weights: RayWeights) -> None:
     version, tensors = weights.fetch_newer(2)
     assert version == 3 and np.array_equal(tensors["w"], np.arange(4, dtype=np.float32))
     assert weights.fetch_newer(3) is None
+
+
+def test_a_killed_store_restarts_under_its_handle_and_its_callers_see_no_error(
+    weights: RayWeights,
+) -> None:
+    store = RayWeights.create()
+    store.publish(3, {"w": np.ones(4, dtype=np.float32)})
+    first = ray.get(store.handle.incarnation.remote())
+    held = ray.get(store.handle.get_if_newer.remote(-1))  # its buckets: objects it owns
+    waiter = store.handle.wait_newer.remote(3, 60.0)  # in flight when the process dies
+    os.kill(first["pid"], signal.SIGKILL)
+
+    second = ray.get(store.handle.incarnation.remote(), timeout=60)
+    assert second["pid"] != first["pid"] and second["version"] == -1  # empty until republished
+    assert store.fetch_newer(-1) is None
+
+    class AnsweredBeforeItDied:  # a fetch that got the old process's answer, then lost it
+        class get_if_newer:
+            @staticmethod
+            def remote(have_version: int) -> ray.ObjectRef:
+                return ray.put(held)
+
+    # The old process's objects are freed some time after its death (the owner's death reaches
+    # the object store asynchronously): wait until they are, so the fetch below meets the loss.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get([h[0] for h in held[1]], timeout=5)
+        except ray.exceptions.ObjectLostError:
+            break
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, "the dead store's objects were never freed"
+        time.sleep(0.1)
+    assert RayStoreClient(AnsweredBeforeItDied()).fetch_newer(-1) is None
+
+    store.publish(4, {"w": np.full(4, 2.0, dtype=np.float32)})  # what the trainer does
+    assert ray.get(waiter, timeout=60) == 4
+    version, tensors = store.fetch_newer(3)
+    assert version == 4 and float(tensors["w"][0]) == 2.0
+    ray.kill(store.handle)
 
 
 def test_wait_newer_returns_when_a_version_is_published(weights: RayWeights) -> None:
