@@ -11,11 +11,16 @@ number to report is its peak. `PeakMemorySampler` polls that sum on a daemon thr
 The sum is of resident set sizes, so pages shared between processes (e.g. after a fork)
 count once per process: an upper bound, which is the safe side for capacity planning.
 Peaks shorter than `interval_s` can be missed.
+
+`process_peak_bytes` is one process's own high-water mark, kept by the OS (or by torch on a
+GPU), so it misses nothing: the trainer's ranks report theirs (`memory/trainer_rank<i>_peak_gib`).
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import sys
 import threading
 from types import TracebackType
 
@@ -37,6 +42,35 @@ def process_tree_rss(pid: int) -> int:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue  # exited between listing and reading, or owned by someone else
     return total
+
+
+def process_peak_bytes(device: str = "cpu") -> int:
+    """This process's peak memory since it started. On CPU the high-water mark of its resident
+    set (everything the process touched, interpreter and libraries included); on a GPU
+    (`device="cuda"`) the most memory torch has allocated on the current device (what the
+    model, optimizer and activations needed, not the caching allocator's reserve).
+
+    On Linux the mark is /proc's `VmHWM`, not `getrusage`'s `ru_maxrss`: the latter keeps the
+    peak of the image before `exec`, so a worker spawned (fork, then exec) by a large process
+    would report its parent's size."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except OSError:
+        pass  # no /proc (macOS): getrusage, whose peak is this process's own there
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def rank_memory_metrics(peak_bytes: list[int]) -> dict[str, float]:
+    """The per-step metrics of the trainer ranks' peaks (`Learner.peak_memory_bytes`), in GiB."""
+    return {f"memory/trainer_rank{i}_peak_gib": b / 2**30 for i, b in enumerate(peak_bytes)}
 
 
 class PeakMemorySampler:

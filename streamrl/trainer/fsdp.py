@@ -1,10 +1,14 @@
 """FSDP2 training of a Hugging Face causal LM: sharding, bf16, activation checkpointing,
 distributed checkpoints, and full weights for weight sync.
 
-    load_causal_lm(dir) ──> shard_model(model, mesh, ...) ──> FSDPLearner(model, ...)
-                            │ fully_shard(decoder layer) for each layer, then fully_shard(root)
-                            │ parameters become DTensors sharded on dim 0 over the mesh
-                            ▼
+    load_sharded_model(dir, mesh, full_model on rank 0 / None elsewhere) ──> FSDPLearner(model)
+      │ every rank: the model built on the meta device from config.json (no weights read)
+      │ shard_model: fully_shard(decoder layer) for each layer, then fully_shard(root);
+      │   parameters become DTensors sharded on dim 0 over the mesh
+      │ to_empty(device): each rank allocates its own shards only
+      │ per parameter: rank 0 broadcasts the full tensor, every rank keeps its slice;
+      │   buffers (rotary inv_freq, ...) are broadcast whole
+      ▼
     every rank, in lockstep:  accumulate(micro-batch) x N  ──>  step()  ──>  named_weights()
                               all-gather per layer,             clip on     rank 0: full fp32
                               reduce-scatter (averaged)         the global  weights; others: {}
@@ -19,8 +23,13 @@ ranks, which is what `Learner.step` assumes (it scales by world_size / global no
   run the same number of `accumulate` calls per step. An empty micro-batch (no rows, or only
   zero-advantage ones) still runs a one-token forward/backward with a zero loss; plan equal
   counts with `streamrl.trainer.microbatch.plan_step`.
+- **Loading.** Only rank 0 reads the checkpoint (`RankedLearner` keeps that full copy anyway, for
+  evaluation and `save_pretrained`); the other ranks never hold more than their shards plus the
+  one full tensor being broadcast, so a rank needs about (model / world_size) + its largest
+  tensor for the weights, not the whole model.
 - **Global metrics.** `step` sums the loss and statistics over ranks first, so every rank reports
-  the whole batch's loss (the base class reports this rank's share).
+  the whole batch's loss (the base class reports this rank's share), and gathers every rank's
+  peak memory (`peak_memory_bytes`) in the same all-reduce.
 - **Checkpoints and weights.** `save_checkpoint` / `load_checkpoint` write and read a
   `torch.distributed.checkpoint` folder (one file per rank, loadable at another world size,
   read without unpickling anything but data: `safe_dcp.py`);
@@ -46,8 +55,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+from streamrl.metrics.memory import process_peak_bytes
 from streamrl.trainer.learner import STAT_MEANS, Learner
 from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -71,16 +82,22 @@ def data_parallel_mesh(device: str = "cpu") -> DeviceMesh:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: modules whose class the HF model names in `_no_split_modules`
-    (e.g. `Qwen3DecoderLayer`), which is how any HF causal LM marks its decoder layers."""
+    """The model's repeated blocks, each one FSDP all-gather unit: the modules whose class the
+    model names in `_no_split_modules` (e.g. `Qwen3DecoderLayer`; how HF causal LMs mark their
+    decoder layers), or, for a model that names none, the children of its largest `ModuleList`
+    (the decoder's layer list in any decoder-only model)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
+    if layers:
+        return layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
         raise ValueError(
-            f"{type(model).__name__} lists no decoder layer classes in `_no_split_modules` "
-            f"(got {sorted(names)}); FSDP needs a Hugging Face model with decoder layers to shard"
+            f"{type(model).__name__} names no decoder layer classes in `_no_split_modules` "
+            f"(got {sorted(names)}) and has no nn.ModuleList of layers; FSDP needs a decoder "
+            "model whose layers it can shard one by one"
         )
-    return layers
+    return list(max(lists, key=len))
 
 
 def shard_model(
@@ -120,6 +137,76 @@ def shard_model(
     return model
 
 
+def empty_causal_lm(model_dir: str | Path, *, dtype: str = "float32") -> nn.Module:
+    """The causal LM of `model_dir` built on the meta device from its config.json: the right
+    modules, shapes, dtypes and tied weights, and no storage; nothing but the config is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def load_sharded_model(
+    model_dir: str | Path,
+    mesh: DeviceMesh,
+    full_model: nn.Module | None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **shard_options: bool,
+) -> nn.Module:
+    """This rank's FSDP2 shard of the model in `model_dir`, without any rank but 0 reading the
+    weights. A collective: every rank calls it, rank 0 with `full_model` (the model loaded from
+    `model_dir` on CPU, e.g. with `load_causal_lm`), the others with None.
+
+    The model is built on the meta device, sharded (`shard_model`, with `shard_options`), given
+    storage for this rank's shards on `device`, and filled from rank 0 (`copy_from_rank0`)."""
+    if (full_model is not None) != (dist.get_rank() == 0):
+        raise ValueError("pass the full model on rank 0 and None on the other ranks")
+    model = shard_model(empty_causal_lm(model_dir, dtype=dtype), mesh, **shard_options)
+    model.to_empty(device=device)  # FSDP2 re-registers its sharded parameters (no full tensor)
+    copy_from_rank0(model, full_model)
+    return model
+
+
+@torch.no_grad()
+def copy_from_rank0(model: nn.Module, full_model: nn.Module | None) -> None:
+    """Fill `model` (sharded, on its device) with rank 0's `full_model`: per parameter rank 0
+    broadcasts the full tensor and every rank copies its own slice; buffers, which FSDP2 does not
+    shard (rotary `inv_freq`, persistent or not), are broadcast whole. One full tensor at a time
+    is the most any rank holds beyond its shards. Tied parameters appear once in
+    `named_parameters`, so they are sent once and stay tied."""
+    # Rank 0 looks every name up (a missing one is an error there, never a silent garbage send).
+    params = dict(full_model.named_parameters()) if full_model is not None else None
+    for name, param in model.named_parameters():
+        full = _broadcast_tensor(params[name] if params is not None else None, param)
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())  # slicing rank 0's tensor locally: no messages
+    buffers = dict(full_model.named_buffers()) if full_model is not None else None
+    for name, buffer in model.named_buffers():
+        buffer.copy_(_broadcast_tensor(buffers[name] if buffers is not None else None, buffer))
+
+
+def _broadcast_tensor(source: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `source` on every rank (the others pass None), with the global shape, dtype and
+    device of `like`."""
+    if source is not None:
+        if source.shape != like.shape or source.dtype != like.dtype:
+            raise ValueError(
+                f"rank 0's tensor is {tuple(source.shape)} {source.dtype}, the model built from "
+                f"config.json wants {tuple(like.shape)} {like.dtype}: load both from the same "
+                "directory in the same dtype"
+            )
+        tensor = source.detach().to(like.device)
+    else:
+        tensor = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
 def checkpoint_layer(layer: nn.Module) -> None:
     """Recompute `layer`'s forward in backward (non-reentrant checkpoint).
 
@@ -156,6 +243,10 @@ class FSDPLearner(Learner):
 
     Pass a model already sharded with `shard_model`; the keyword arguments are `Learner`'s."""
 
+    def __init__(self, model: nn.Module, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self._rank_peak_bytes = [process_peak_bytes(self.device.type)]  # until the first step
+
     def accumulate(
         self, rows: Sequence[Mapping[str, Any]], *, num_skipped_tokens: float = 0.0
     ) -> None:
@@ -174,16 +265,27 @@ class FSDPLearner(Learner):
         (logits.float().sum() * 0.0).backward()
 
     def step(self, *, ends_version: bool = True) -> dict[str, float]:
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        peaks = [0.0] * world  # each rank fills its own entry; the all-reduce sums them
+        peaks[dist.get_rank() if world > 1 else 0] = float(process_peak_bytes(self.device.type))
+        if world > 1:
             # One all-reduce of fixed keys (a rank with no rows has no statistics yet).
             keys = ("num_tokens", "mismatch_abs_sum", *STAT_MEANS)
             sums = torch.tensor(
-                [self._loss_sum, *(self._stats.get(k, 0.0) for k in keys)], dtype=torch.float64
+                [self._loss_sum, *(self._stats.get(k, 0.0) for k in keys), *peaks],
+                dtype=torch.float64,
             )
             dist.all_reduce(sums)
             self._loss_sum = float(sums[0])
-            self._stats = dict(zip(keys, sums[1:].tolist(), strict=True))
+            self._stats = dict(zip(keys, sums[1 : 1 + len(keys)].tolist(), strict=True))
+            peaks = sums[1 + len(keys) :].tolist()
+        self._rank_peak_bytes = [int(p) for p in peaks]
         return super().step(ends_version=ends_version)
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Every rank's peak memory as of the last `step` (its all-reduce gathers them; before
+        the first step, this rank's only). No collective."""
+        return list(self._rank_peak_bytes)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full weights on rank 0, `{}` elsewhere; every rank must call it."""

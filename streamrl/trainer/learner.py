@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamrl.metrics.memory import process_peak_bytes
 from streamrl.trainer.algos.losses import batch_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.logprobs import pack, response_logprobs
@@ -75,8 +76,12 @@ class Learner:
         self.settings = settings
         self.padding_free = padding_free
         self.device = next(model.parameters()).device
+        # The parameters that train: all of them, or a LoRA model's adapters (`lora.py`).
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            [p for p in model.parameters() if p.requires_grad],
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=(0.9, 0.99),
         )
         self.version = 0
         self._reset_step()
@@ -151,6 +156,10 @@ class Learner:
         without a gradient. A step with several optimizer updates calls it on the whole batch
         before the first one: these are its proximal (pi_old) log-probs."""
         self.model.train()
+        return self._detached_logprobs(rows)
+
+    def _detached_logprobs(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        """`detached_logprobs` of the forward model as it is now (its mode set by the caller)."""
         return detached_logprobs(
             self.forward_model,
             rows,
@@ -238,6 +247,11 @@ class Learner:
 
     def close(self) -> None:
         """Nothing to release in one process (`RankedLearner` stops its ranks here)."""
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Peak memory of each trainer rank so far (`process_peak_bytes`): this process's own in
+        one process; sharded learners report every rank's."""
+        return [process_peak_bytes(self.device.type)]
 
     def state_dict(self) -> dict[str, Any]:
         return {

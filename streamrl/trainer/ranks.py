@@ -2,8 +2,10 @@
 
 Rank 0 lives in the trainer role's own process and is what the role, the synchronous loop, the
 hooks and the checkpoint code hold: a `RankedLearner`, which answers to everything a `Learner`
-does. It starts ranks 1..N-1 as worker processes; every rank builds the same model from the same
-directory, shards it with FSDP2 and then follows rank 0 in lockstep:
+does. It starts ranks 1..N-1 as worker processes. Only rank 0 reads the checkpoint (the full
+copy below); every rank builds the model on the meta device from the directory's config, shards
+it with FSDP2 and receives its shards from rank 0 (`load_sharded_model`), then follows rank 0 in
+lockstep:
 
     rank 0 (role process)                        ranks 1..N-1 (workers)
     accumulate(rows) ── broadcast command ──────> wait for a command
@@ -15,8 +17,9 @@ directory, shards it with FSDP2 and then follows rank 0 in lockstep:
 Everything between ranks goes through the torch.distributed group (gloo on CPU; on GPUs the
 group also has NCCL for the FSDP collectives, and commands and rows stay on gloo).
 
-Rank 0 also keeps an unsharded copy of the model (`model`), refreshed from the gathered full
-weights whenever `named_weights` runs (after every step, for weight sync). Held-out evaluation,
+Rank 0 also keeps an unsharded copy of the model (`model`, on CPU: the one it loaded and sent the
+ranks their shards from), refreshed from the gathered full weights whenever `named_weights` runs
+(after every step, for weight sync). Held-out evaluation,
 `save_pretrained` checkpoints and pi_old log-probs in the synchronous loop read that copy, so
 they need no collectives. In a checkpoint, the HF model directory comes from that copy and
 every rank writes its own shard of model and optimizer (torch.distributed.checkpoint, in
@@ -47,7 +50,12 @@ import torch.distributed as dist
 
 from streamrl.config.schema import TrainerConfig
 from streamrl.models.loading import load_causal_lm
-from streamrl.trainer.fsdp import FSDPLearner, data_parallel_mesh, init_distributed, shard_model
+from streamrl.trainer.fsdp import (
+    FSDPLearner,
+    data_parallel_mesh,
+    init_distributed,
+    load_sharded_model,
+)
 from streamrl.trainer.learner import detached_logprobs
 from streamrl.trainer.microbatch import plan_step
 
@@ -123,13 +131,16 @@ def micro_batch_plan(
     return plan_step(prompt_lens, response_lens, max_tokens, world_size)
 
 
-def build_rank_learner(spec: RankSpec) -> FSDPLearner:
-    """This rank's sharded model and learner (the process group must be initialised)."""
+def build_rank_learner(spec: RankSpec, full_model: torch.nn.Module | None) -> FSDPLearner:
+    """This rank's sharded model and learner (the process group must be initialised): rank 0
+    passes the model it loaded, the other ranks None (they read only config.json)."""
     torch.manual_seed(spec.seed)
-    model = load_causal_lm(spec.model_dir, dtype=spec.dtype).to(spec.device)
-    shard_model(
-        model,
+    model = load_sharded_model(
+        spec.model_dir,
         data_parallel_mesh(spec.device),
+        full_model,
+        dtype=spec.dtype,
+        device=spec.device,
         mixed_precision=spec.trainer.mixed_precision,
         activation_checkpointing=spec.trainer.activation_checkpointing,
     )
@@ -183,7 +194,7 @@ def _worker_main(spec: RankSpec, rank: int, world_size: int, init_method: str) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     init_distributed(rank, world_size, init_method, device=_backend_device(spec.device))
-    learner = build_rank_learner(spec)
+    learner = build_rank_learner(spec, None)
     while True:
         header = torch.zeros(2, dtype=torch.int64)
         dist.broadcast(header, src=0)
@@ -218,8 +229,9 @@ def _free_port() -> int:
 class RankedLearner:
     """Rank 0 of the trainer's FSDP2 ranks, driven exactly like a `Learner`.
 
-    Starting it starts the other ranks (a few seconds: each loads and shards the model); call
-    `close` at the end (the trainer role and the sync loop do)."""
+    Starting it starts the other ranks (a few seconds: rank 0 loads the model, every rank builds
+    and shards it and receives its shards); call `close` at the end (the trainer role and the
+    sync loop do)."""
 
     def __init__(self, spec: RankSpec, world_size: int, *, start_timeout_s: float = 300.0):
         if world_size < 2:
@@ -240,9 +252,10 @@ class RankedLearner:
         for process in self._workers:
             process.start()
         init_distributed(0, world_size, init_method, device=_backend_device(spec.device))
-        self.local = build_rank_learner(spec)
-        # The unsharded copy on rank 0 (CPU): evaluation, save_pretrained, pi_old log-probs.
+        # The unsharded copy on rank 0 (CPU): the ranks' shards come from it; then evaluation,
+        # save_pretrained and pi_old log-probs read it.
         self.model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+        self.local = build_rank_learner(spec, self.model)
         self._copy_is_current = False  # `model` holds the ranks' weights (see `named_weights`)
         self.settings = self.local.settings
         self._closed = False
@@ -278,6 +291,11 @@ class RankedLearner:
         self._copy_is_current = False
         return self.local.step(ends_version=ends_version)
 
+    def peak_memory_bytes(self) -> list[int]:
+        """Every rank's peak memory as of the last step (rank 0's process holds the unsharded
+        copy too)."""
+        return self.local.peak_memory_bytes()
+
     def logprobs(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
         """`Learner.logprobs` on rank 0's unsharded copy (no collectives), refreshed first when
         an update since the last `named_weights` left it behind the ranks."""
@@ -301,7 +319,9 @@ class RankedLearner:
             for name, value in full.items():
                 params[name].copy_(value)
         self._copy_is_current = True
-        return {name: value.clone() for name, value in full.items()}
+        # The gathered tensors are fresh and held nowhere else (the copy took their values), so
+        # they are published as they are: a clone would be one more full model on rank 0.
+        return full
 
     def optimizer_state_dict(self, directory: str | Path | None = None) -> dict[str, Any]:
         """Every rank writes its shard of model and optimizer into `directory`/SHARDED_DIR

@@ -30,6 +30,7 @@ from streamrl.api import fields as F
 from streamrl.api.bus import BusFullError
 from streamrl.api.role import LoopPolicy
 from streamrl.bus.leases import LeaseKeeper
+from streamrl.metrics.memory import rank_memory_metrics
 from streamrl.metrics.stats import summarize
 from streamrl.trainer.dynamic_sampling import SURPLUS, StepGroups, group_informative, groups_of
 from streamrl.trainer.updates import UpdatePlan, train_updates
@@ -222,6 +223,7 @@ class BatchTrainer:
             r[F.ADVANTAGES] is not None and is_zero(r[F.ADVANTAGES]) for r in rows
         ) / max(len(rows), 1)
         metrics["time/trainer_busy_s"] = self.busy_s
+        metrics.update(rank_memory_metrics(self.learner.peak_memory_bytes()))
         trained_ids = self.trained_ids
         if rows and not trained_ids and not self.warned_untrained:
             self.warned_untrained = True

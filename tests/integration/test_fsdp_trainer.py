@@ -9,6 +9,7 @@ two runs can only draw the same samples at every step if their updates agree.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -71,6 +72,13 @@ def test_two_fsdp_ranks_train_like_one_process(tmp_path, quick_cache):
     )
     assert _digests(sharded) == _digests(single)
     _assert_same_training(_steps(sharded), _steps(single))
+    # Every rank's peak memory, per step and for the run (the one process: rank 0 only).
+    for run_dir, ranks in ((single, [0]), (sharded, [0, 1])):
+        keys = [f"trainer_rank{i}_peak_gib" for i in ranks]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert sorted(k for k in summary if k.startswith("trainer_rank")) == keys
+        assert all(0.1 < summary[k] < 8 for k in keys)
+        assert all(f"memory/{k}" in m for m in _steps(run_dir).values() for k in keys)
 
     # Resume the sharded run from its step-2 checkpoint (each rank's shard of model and AdamW
     # state): step 4 only matches if step 3 was taken with the restored optimizer state.

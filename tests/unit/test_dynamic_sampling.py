@@ -172,6 +172,9 @@ class FakeLearner:
         self.version += 1
         return {"loss": 0.0}
 
+    def peak_memory_bytes(self) -> list[int]:
+        return [0]
+
     def named_weights(self) -> dict[str, Any]:
         return {}
 

@@ -1,6 +1,9 @@
-"""FSDP2 on two CPU ranks (gloo): the sharded learner ends a step exactly where one process on the
-whole batch does, reports the same loss, clips on the global norm, recomputes activations
-without changing the gradient, and round-trips its distributed checkpoint.
+"""FSDP2 on two CPU ranks (gloo): rank 1 builds its shards without reading the checkpoint (its
+model directory holds config.json only) and receives exactly its slices of rank 0's weights; the
+sharded learner ends a step exactly where one process on the whole batch does, reports the same
+loss and every rank's peak memory, clips on the global norm, recomputes activations without
+changing the gradient, and round-trips its distributed checkpoint; a decoder without
+`_no_split_modules` is wrapped layer by layer.
 
 All two-rank scenarios run in one `mp.spawn` (process start dominates the cost); the tests
 compare what the ranks wrote against single-process references computed here.
@@ -8,6 +11,7 @@ compare what the ranks wrote against single-process references computed here.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from streamrl.config.schema import PolicyLossConfig
@@ -28,6 +34,7 @@ from streamrl.trainer.fsdp import (
     data_parallel_mesh,
     decoder_layers,
     init_distributed,
+    load_sharded_model,
     shard_model,
 )
 from streamrl.trainer.learner import Learner
@@ -50,10 +57,13 @@ def build_learner(
     model_dir: Path, *, fsdp: dict[str, bool] | None = None, optimizer: str = "sgd"
 ) -> Learner:
     """A learner on the tiny model; with `fsdp` (`shard_model`'s keyword arguments), sharded
-    over the initialised process group."""
-    model = load_causal_lm(model_dir)
-    if fsdp is not None:
-        shard_model(model, data_parallel_mesh("cpu"), **fsdp)
+    over the initialised process group as the trainer's ranks do it: rank 0 loads the model
+    and sends the other ranks their shards."""
+    if fsdp is None:
+        model = load_causal_lm(model_dir)
+    else:
+        full = load_causal_lm(model_dir) if dist.get_rank() == 0 else None
+        model = load_sharded_model(model_dir, data_parallel_mesh("cpu"), full, **fsdp)
     learner = (FSDPLearner if fsdp is not None else Learner)(
         model,
         pad_token_id=PAD_ID,
@@ -87,15 +97,36 @@ def local_tensors(tree: Any) -> list[torch.Tensor]:
     ]
 
 
-def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
+class ToyDecoder(nn.Module):
+    """A decoder that names no `_no_split_modules`: embedding, a list of blocks, a head (in a
+    shorter list, so the blocks are the largest `ModuleList`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.heads = nn.ModuleList([nn.Linear(8, 16)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.heads[0](x)
+
+
+def rank_main(rank: int, model_dirs: list[str], port: int, out_dir: str) -> None:
+    """`model_dirs[rank]`: the tiny model for rank 0; config.json alone for rank 1."""
     torch.set_num_threads(1)  # two ranks on two (shared) cores
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}")
     try:
-        path, out = Path(model_dir), {}
+        path, out = Path(model_dirs[rank]), {}
         learner = build_learner(path, fsdp={})
-        embed = learner.model.get_input_embeddings().weight
-        out["sharded"] = isinstance(embed, DTensor) and embed.to_local().shape[0] < embed.shape[0]
+        model = learner.model
+        out["shards"] = {name: p.to_local().clone() for name, p in model.named_parameters()}
+        out["buffers"] = {name: b.clone() for name, b in model.named_buffers()}
+        out["tied"] = model.lm_head.weight is model.get_input_embeddings().weight
         out["fp32"] = [train_step(learner, random_rows(ROWS), rank)]
+        out["peak_bytes"] = learner.peak_memory_bytes()
         out["fp32_weights"] = [learner.named_weights()]
         learner.grad_clip = CLIP
         out["fp32"].append(train_step(learner, random_rows(ROWS, seed=1), rank))
@@ -129,6 +160,13 @@ def rank_main(rank: int, model_dir: str, port: int, out_dir: str) -> None:
             torch.equal(a, b)
             for a, b in zip(local_tensors(saved.model), local_tensors(restored.model), strict=True)
         )
+
+        torch.manual_seed(0)  # the same toy model on both ranks
+        toy, ids = ToyDecoder(), torch.arange(12).view(2, 6)
+        expected = toy(ids)
+        shard_model(toy, data_parallel_mesh("cpu"))
+        out["toy_wrapped"] = [isinstance(m, FSDPModule) for m in (toy, *toy.blocks, *toy.heads)]
+        out["toy_equal"] = torch.allclose(toy(ids), expected, rtol=1e-6, atol=1e-7)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # leave together: an early teardown can abort the peer (see tests.distributed)
     finally:
@@ -144,7 +182,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def two_ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out_dir = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(rank_main, args=(str(model_dir), free_port(), str(out_dir)), nprocs=2)
+    config_only = tmp_path_factory.mktemp("config_only")  # rank 1 cannot read any weights
+    shutil.copy(model_dir / "config.json", config_only / "config.json")
+    dirs = [str(model_dir), str(config_only)]
+    mp.spawn(rank_main, args=(dirs, free_port(), str(out_dir)), nprocs=2)
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ranks": ranks, "ckpt": out_dir / "ckpt"}
 
@@ -167,11 +208,37 @@ def assert_weights_close(got: dict, expected: dict, **tol: float) -> None:
         torch.testing.assert_close(got[name], value, msg=name, **tol)
 
 
+def test_each_rank_receives_only_its_shards_of_rank0s_weights(
+    two_ranks: dict[str, Any], model_dir: Path
+) -> None:
+    """Rank 1 read config.json only; what it holds is its half of every parameter (FSDP2 shards
+    dim 0 in torch.chunk pieces), equal to the checkpoint's, and the same buffers as a model
+    loaded in full (rotary inv_freq is not in the checkpoint: rank 0 sends it)."""
+    full = load_causal_lm(model_dir)
+    params, buffers = dict(full.named_parameters()), dict(full.named_buffers())
+    for rank, got in enumerate(two_ranks["ranks"]):
+        assert list(got["shards"]) == list(params)  # the tied lm_head is one parameter
+        assert got["tied"]
+        for name, shard in got["shards"].items():
+            expected = params[name].detach().chunk(2, dim=0)[rank]
+            assert shard.shape[0] < params[name].shape[0], name
+            torch.testing.assert_close(shard, expected, atol=0, rtol=0, msg=name)
+        assert list(got["buffers"]) == list(buffers)
+        for name, buffer in got["buffers"].items():
+            torch.testing.assert_close(buffer, buffers[name], atol=0, rtol=0, msg=name)
+
+
+def test_every_rank_reports_every_ranks_peak_memory(two_ranks: dict[str, Any]) -> None:
+    rank0, rank1 = two_ranks["ranks"]
+    assert rank0["peak_bytes"] == rank1["peak_bytes"]  # gathered in the step's all-reduce
+    assert len(rank0["peak_bytes"]) == 2
+    assert all(100 * 2**20 < b < 8 * 2**30 for b in rank0["peak_bytes"])  # a torch process
+
+
 def test_two_ranks_match_one_process_on_the_whole_batch(
     two_ranks: dict[str, Any], reference: dict[str, Any]
 ) -> None:
     rank0, rank1 = two_ranks["ranks"]
-    assert rank0["sharded"] and rank1["sharded"]
     assert rank1["fp32_weights"] == [{}, {}]  # full weights go to rank 0 only
     assert_weights_close(rank0["fp32_weights"][0], reference["weights"][0], atol=1e-6, rtol=1e-5)
     for rank in (rank0, rank1):  # every rank reports the whole batch's loss and statistics
@@ -242,3 +309,20 @@ def test_decoder_layers_are_found_by_class_name(model_dir: Path) -> None:
     assert decoder_layers(model) == list(model.model.layers)
     with pytest.raises(ValueError, match="_no_split_modules"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_without_no_split_modules_the_largest_module_list_is_wrapped(model_dir: Path) -> None:
+    toy = ToyDecoder()
+    assert not hasattr(toy, "_no_split_modules")
+    assert decoder_layers(toy) == list(toy.blocks)
+    model = load_causal_lm(model_dir)
+    model._no_split_modules = None  # an HF model whose class names no layer classes
+    assert decoder_layers(model) == list(model.model.layers)
+
+
+def test_a_decoder_without_no_split_modules_shards_layer_by_layer(
+    two_ranks: dict[str, Any],
+) -> None:
+    for rank in two_ranks["ranks"]:
+        assert rank["toy_wrapped"] == [True, True, True, True, False]  # root, 3 blocks, head
+        assert rank["toy_equal"]

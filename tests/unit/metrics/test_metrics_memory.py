@@ -110,3 +110,18 @@ def test_process_tree_rss_of_missing_pid_raises() -> None:
     child.wait()
     with pytest.raises(psutil.NoSuchProcess):
         process_tree_rss(child.pid)
+
+
+def test_process_peak_bytes_keeps_the_high_water_mark() -> None:
+    from streamrl.metrics.memory import process_peak_bytes, rank_memory_metrics
+
+    before = process_peak_bytes()
+    block = b"x" * (before + ALLOC_BYTES)  # touched pages: above any earlier peak
+    during = process_peak_bytes()
+    del block
+    assert during >= before + ALLOC_BYTES
+    assert process_peak_bytes() >= before + ALLOC_BYTES  # freeing does not lower the peak
+    assert rank_memory_metrics([2**30, 2**29]) == {
+        "memory/trainer_rank0_peak_gib": 1.0,
+        "memory/trainer_rank1_peak_gib": 0.5,
+    }
