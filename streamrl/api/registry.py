@@ -67,8 +67,9 @@ class RoleSpec:
         return (self.name,) if self.consumers is None else self.consumers
 
 
-def _has_kl(cfg: Config) -> bool:
-    return cfg.algorithm.kl.coef > 0
+def _has_reference(cfg: Config) -> bool:
+    # A LoRA trainer scores the reference log-probs itself, its adapters off (trainer/lora.py).
+    return cfg.algorithm.kl.coef > 0 and not cfg.trainer.lora.rank
 
 
 def _has_pi_old(cfg: Config) -> bool:
@@ -90,7 +91,9 @@ _ROLES: dict[str, RoleSpec] = {
         RoleSpec("rollout", "streamrl.rollout.role:build", description="generation"),
         RoleSpec("reward", "streamrl.reward.role:build", torchless=True, bus_only=True),
         RoleSpec("advantage", "streamrl.trainer.advantage_role:build", bus_only=True),
-        RoleSpec("reference", "streamrl.reference.role:build", wanted=_has_kl, bus_only=True),
+        RoleSpec(
+            "reference", "streamrl.reference.role:build", wanted=_has_reference, bus_only=True
+        ),
         RoleSpec("logp", "streamrl.reference.role:build_logp", wanted=_has_pi_old, bus_only=True),
         RoleSpec(
             "critic",

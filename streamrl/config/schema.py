@@ -207,6 +207,10 @@ class RolloutConfig(Section):
     versions ahead of the trainer."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the builtin engine runs: `auto` is a GPU when torch sees one, else the CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The builtin engine's weight and compute dtype; auto uses `model.dtype`. Another dtype
+    than the trainer's rounds the weights on arrival (e.g. an fp32 trainer and a bf16 engine);
+    vLLM and SGLang have their own (`rollout.vllm.dtype`, `rollout.sglang.dtype`)."""
     threads: int | None = Field(None, ge=1)
     """torch threads of each rollout process in ray mode (the builtin engine's kernels, an
     in-process vLLM's CPU work). None: the rollout replicas share half of the cores Ray was
@@ -487,6 +491,21 @@ class CriticConfig(Section):
     """Clip the critic's gradient norm to this (None: no clipping)."""
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank r of the adapters (through `peft`); 0 trains every parameter (no LoRA). With
+    LoRA only the adapters train: the base stays as loaded, the engines receive the merged
+    weights, checkpoints hold the adapter, and the reference log-probs of a KL term come from the
+    trainer's model with its adapters disabled (no reference model). docs/lora.md."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the adapter's product B A is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in training (not in the merged weights)."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters: `all-linear` (every linear layer of the decoder; not the
+    embeddings, not the output layer), or module names as peft matches them (`q_proj`, ...)."""
+
+
 class TrainerConfig(Section):
     steps: int = Field(100, ge=1)
     """Optimizer steps (policy versions) to train."""
@@ -536,6 +555,8 @@ class TrainerConfig(Section):
     (`model.onednn_linears` does not apply to it); a one-process trainer only (world_size=1);
     needs a C++ compiler (without one, or where an op does not compile, it runs eagerly, with a
     warning). See docs/benchmarks-log.md."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (`rank` > 0 turns it on)."""
 
 
 class RunConfig(Section):
@@ -612,9 +633,26 @@ class Config(Section):
                 f"trainer.compile applies to a one-process trainer; trainer.world_size is "
                 f"{self.trainer.world_size} (set trainer.compile=false or trainer.world_size=1)"
             )
+        if self.trainer.lora.rank:
+            _check_lora(self)
         if self.model.hidden_size % self.model.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.model.hidden_size}) must be a multiple of "
                 f"model.num_heads ({self.model.num_heads})"
             )
         return self
+
+
+def _check_lora(cfg: Config) -> None:
+    """Settings that cannot go with LoRA, refused with what to change."""
+    if cfg.algorithm.kl.in_reward and cfg.algorithm.kl.coef > 0:
+        raise ValueError(
+            "trainer.lora computes the reference log-probs in the trainer (its model with the "
+            "adapters disabled), after the advantages are taken, so the KL cannot be part of the "
+            "reward: set algorithm.kl.in_reward=false (the KL in the loss) or trainer.lora.rank=0"
+        )
+    if cfg.trainer.world_size > 1:
+        raise ValueError(
+            "trainer.lora is not wired into the FSDP2 ranks yet (trainer/ranks.py): set "
+            "trainer.world_size=1 or trainer.lora.rank=0"
+        )

@@ -54,11 +54,37 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
 
     hf_logging.disable_progress_bar()
     _check_dir(model_dir)
+    if (Path(model_dir) / "adapter_config.json").is_file():  # a LoRA run's checkpoint
+        return _load_merged(model_dir, getattr(torch, dtype)).eval()
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), local_files_only=True, dtype=getattr(torch, dtype)
     )
     model.eval()
     return model
+
+
+def base_model_dir(model_dir: str | Path) -> Path:
+    """The base model's directory of a LoRA checkpoint's model folder, or `model_dir` itself."""
+    config = Path(model_dir) / "adapter_config.json"
+    if not config.is_file():
+        return Path(model_dir)
+    return Path(json.loads(config.read_text())["base_model_name_or_path"])
+
+
+def _load_merged(model_dir: str | Path, dtype):
+    """The model a LoRA run's checkpoint folder holds: its base with the adapter merged in
+    (`trainer/lora.py` writes such folders)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir = base_model_dir(model_dir)
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model_dir} holds a LoRA adapter whose base model directory {str(base_dir)!r} "
+            "(base_model_name_or_path in its adapter_config.json) has no config.json"
+        )
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, dtype=dtype)
+    return PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
 
 
 def _tokenizer_class(model_dir: str | Path) -> str | None:

@@ -51,7 +51,9 @@ def run_sync(
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
     with building("reward"):
         scorer = make_scorer(ctx)
-    reference = load_policy_model(ctx) if cfg.algorithm.kl.coef > 0 else None
+    # A LoRA trainer scores the reference log-probs itself, its adapters off (trainer/lora.py).
+    has_reference = cfg.algorithm.kl.coef > 0 and not cfg.trainer.lora.rank
+    reference = load_policy_model(ctx) if has_reference else None
     adv_settings = advantage_settings(cfg)
     reward_norm = (
         RewardNormaliser(cfg.algorithm.shaping.reward_norm_momentum)

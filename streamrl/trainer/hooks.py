@@ -24,6 +24,7 @@ from streamrl.api.run import RunContext
 from streamrl.control import stop_requested
 from streamrl.trainer.checkpoint import save_checkpoint
 from streamrl.trainer.evaluate import Evaluator, report_ks
+from streamrl.trainer.lora import evaluation_model, evaluation_weights
 from streamrl.trainer.record import (
     record_bytes,
     record_dir,
@@ -41,7 +42,8 @@ class TrainerHooks:
     def __init__(self, ctx: RunContext, learner, bus_state=None):
         self.ctx = ctx
         self.learner = learner
-        self.evaluator = Evaluator(ctx, learner.model)
+        # A LoRA model is evaluated as its base with the adapters merged in (`lora.py`).
+        self.evaluator = Evaluator(ctx, evaluation_model(learner.model))
         self.bus_state = bus_state  # callable returning the bus's state dict, or None
         self.stopped = False  # a stop was asked for: the last step is done
         # The steps after the one this trainer starts from are trained again: so recorded again.
@@ -51,6 +53,10 @@ class TrainerHooks:
         return {"step": self.learner.version, "metrics": self._evaluate(), "trained_ids": []}
 
     def _evaluate(self) -> dict[str, float]:
+        with evaluation_weights(self.learner.model):
+            return self._evaluate_model()
+
+    def _evaluate_model(self) -> dict[str, float]:
         start = time.perf_counter()
         result = self.evaluator.evaluate()
         metrics = {

@@ -84,6 +84,7 @@ def replay(
     is called with each `ReplayedStep` as it is done."""
     import torch
 
+    from streamrl.models.loading import base_model_dir
     from streamrl.trainer.checkpoint import load_checkpoint
     from streamrl.trainer.role import make_batch_trainer
 
@@ -101,7 +102,7 @@ def replay(
     # the optimizer's and RNG states, are then restored as a resumed trainer restores them.
     ctx = RunContext(
         cfg=cfg,
-        policy_dir=checkpoint / "model",
+        policy_dir=base_model_dir(checkpoint / "model"),  # a LoRA run's: the base's
         run_dir=run_dir,
         train_rows=None,
         eval_rows=[],

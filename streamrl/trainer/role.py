@@ -38,7 +38,8 @@ def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
     """Fields the trainer needs beyond the rollout's, reward's and advantage's."""
     a = cfg.algorithm
     extra = []
-    if a.kl.coef > 0 and not a.kl.in_reward:
+    # With LoRA the trainer computes the reference log-probs itself (`trainer/lora.py`).
+    if a.kl.coef > 0 and not a.kl.in_reward and not cfg.trainer.lora.rank:
         extra.append(F.REF_LOGPROBS)
     if a.off_policy.proximal == "pi_old":
         extra.append(F.OLD_LOGPROBS)
@@ -72,6 +73,13 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         # oneDNN's linears are a custom op that inductor cannot lower and autocast does not
         # cast: a compiled or mixed-precision trainer keeps PyTorch's.
         model = load_policy_model(ctx, onednn=not (t.compile or t.mixed_precision), dtype=dtype)
+        if t.lora.rank:
+            from streamrl.trainer.lora import LoraLearner, apply_lora
+
+            model = apply_lora(model, t.lora)
+            return LoraLearner(
+                model, compile=t.compile, mixed_precision=t.mixed_precision, **kwargs
+            )
         return Learner(model, compile=t.compile, mixed_precision=t.mixed_precision, **kwargs)
     # Imported here: FSDP2 and distributed checkpoints cost every role process a second of
     # imports (DTensor, sympy) that only a multi-rank trainer needs.
@@ -161,6 +169,13 @@ class TrainerWithHooks(RoleBase):
 
     def stats(self) -> dict[str, Any]:
         return {"busy_s": self.role.trainer.busy_s, "step": self.role.current}
+
+    def republish(self) -> int:
+        """Publish the current weights again (the weight store was restarted empty); called by
+        the loop's thread between steps. Returns the version published."""
+        learner = self.role.trainer.learner
+        self.role.weights.publish(learner.version, learner.named_weights())
+        return learner.version
 
     def close(self) -> None:
         self.role.close()
