@@ -28,13 +28,14 @@ def make_engine(ctx: RunContext, model=None) -> Any:
 
 def builtin_engine(ctx: RunContext, model=None):
     """streamrl's own engine (PyTorch only) over `model`, or over the policy loaded on
-    `rollout.device`."""
+    `rollout.device` in `rollout.dtype`."""
     from streamrl.models.onednn import resolve_onednn
     from streamrl.rollout.builtin_engine import BuiltinEngine
 
     tok = policy_tokenizer(ctx)
     if model is None:
-        model = load_policy_model(ctx, "rollout.device")
+        dtype = ctx.cfg.rollout.dtype
+        model = load_policy_model(ctx, "rollout.device", dtype=None if dtype == "auto" else dtype)
     return BuiltinEngine(
         model,
         tokenizer=tok,

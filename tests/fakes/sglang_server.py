@@ -406,6 +406,7 @@ class FakeSglangServer:
         }
 
     def _apply_weights(self, body: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+        self.received_weights = tensors  # as SGLang's loader gets them, before any conversion
         known = {name for name, _ in self.engine.model.named_parameters()}
         unknown = sorted(set(tensors) - known)
         if unknown:

@@ -124,6 +124,21 @@ def test_the_trainer_role_loads_its_model_in_the_chosen_precision(
     assert isinstance(learner.forward_model, BF16Compute) == mixed
 
 
+def test_the_builtin_engines_dtype_is_chosen_apart_from_the_trainers(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`rollout.dtype=bfloat16` with an fp32 trainer (no mixed precision): a bf16 engine beside
+    fp32 training; `auto` follows `model.dtype`."""
+    from streamrl.rollout.engines import builtin_engine
+
+    for rollout_dtype, engine_dtype in (("bfloat16", torch.bfloat16), ("auto", torch.float32)):
+        ctx = RunContext(
+            load_config([f"rollout.dtype={rollout_dtype}"]), model_dir, tmp_path, [], []
+        )
+        assert {p.dtype for p in builtin_engine(ctx).model.parameters()} == {engine_dtype}
+        assert {p.dtype for p in make_learner(ctx).model.parameters()} == {torch.float32}
+
+
 def test_the_builtin_engine_takes_the_trainers_weights_in_its_own_dtype(model_dir: Path) -> None:
     """Through the in-process channel: bf16 weights land in a bf16 engine bit for bit, and a
     mixed-precision trainer's fp32 master weights are rounded to nearest on arrival."""

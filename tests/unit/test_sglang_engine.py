@@ -204,6 +204,31 @@ def test_load_weights_through_distributed_matches_disk(
     assert server._groups == {}
 
 
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
+def test_bf16_weights_reach_the_server_bit_for_bit(
+    server, model_dir, tmp_path, weight_sync
+) -> None:
+    """A bf16 trainer's weights (random bits: NaN payloads, infinities, -0 included) reach the
+    server in bf16, bit for bit, either way: what SGLang's own loader then gets (it casts to the
+    server's dtype, a step of SGLang's that runs on a GPU server only, see docs/precision.md)."""
+    extra = {"weight_sync_backend": "gloo"} if weight_sync == "distributed" else {}
+    engine = attach(server, tmp_path, weight_sync=weight_sync, **extra)
+    generator = torch.Generator().manual_seed(3)
+    weights = {
+        name: torch.randint(-(2**15), 2**15, p.shape, generator=generator, dtype=torch.int16).view(
+            torch.bfloat16
+        )
+        for name, p in load_causal_lm(model_dir).named_parameters()
+    }
+    engine.load_weights(1, weights)
+    received = server.received_weights
+    assert sorted(received) == sorted(weights)
+    for name, value in weights.items():
+        assert received[name].dtype == torch.bfloat16, name
+        assert torch.equal(received[name].view(torch.int16), value.view(torch.int16)), name
+    engine.close()
+
+
 def test_a_failed_distributed_update_is_reported(server, tmp_path) -> None:
     engine = attach(server, tmp_path, weight_sync="distributed", weight_sync_backend="gloo")
     with pytest.raises(SglangError, match="update_weights_from_distributed failed.*unknown"):

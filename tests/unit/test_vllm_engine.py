@@ -410,3 +410,73 @@ def test_the_pre_run_checks_head_sizes_are_vllms_own() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+# vLLM fuses q/k/v and gate/up into one weight each: its parameter = these rows stacked.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def engine_parameters(engine: VllmEngine) -> dict[str, torch.Tensor]:
+    """Copies of the parameters the (in-process) engine computes with, under vLLM's names."""
+    (params,) = engine.replicas[0].llm.apply_model(
+        lambda model: {n: p.detach().clone() for n, p in model.named_parameters()}
+    )
+    return params
+
+
+def as_engine_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (the trainer's names) laid out as vLLM holds them: fused weights stacked."""
+    out = {}
+    for name, value in tensors.items():
+        for fused, parts in FUSED.items():
+            if name.endswith(f".{parts[0]}.weight"):
+                stem = name[: -len(f"{parts[0]}.weight")]
+                value = torch.cat([tensors[f"{stem}{part}.weight"] for part in parts])
+                name = f"{stem}{fused}.weight"
+        if not any(name.endswith(f".{part}.weight") for parts in FUSED.values() for part in parts):
+            out[name] = value
+    return out
+
+
+def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+
+
+def test_bf16_weights_arrive_in_a_bf16_engine_bit_for_bit(model_dir: Path) -> None:
+    """A bf16 trainer's weights (random bits: NaN payloads, infinities, -0 included), handed over
+    as tensors (in process) and as the safetensors blob that crosses to an engine-core process,
+    are what a bf16 vLLM engine computes with, bit for bit; an fp32 trainer's weights reach it
+    rounded to nearest, as `Tensor.to(bfloat16)` rounds them."""
+    engine = VllmEngine(
+        model_dir,
+        eos_token_id=build_tokenizer().eos_token_id,
+        config=VllmConfig(kv_cache_gib=0.25, in_process=True, dtype="bfloat16"),
+        max_num_seqs=16,
+    )
+    try:
+        shapes = {n: p.shape for n, p in load_causal_lm(model_dir).named_parameters()}
+        generator = torch.Generator().manual_seed(3)
+        random_bf16 = {
+            name: torch.randint(
+                -(2**15), 2**15, shape, generator=generator, dtype=torch.int16
+            ).view(torch.bfloat16)
+            for name, shape in shapes.items()
+        }
+        engine.load_weights(1, random_bf16)
+        assert_same_bits(engine_parameters(engine), as_engine_names(random_bf16))
+
+        from safetensors.torch import save
+
+        flipped = {name: -value for name, value in random_bf16.items()}
+        engine.replicas[0].load_weights(2, save(flipped))  # what a separate engine process gets
+        assert_same_bits(engine_parameters(engine), as_engine_names(flipped))
+
+        fp32 = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+        engine.load_weights(3, fp32)
+        rounded = {name: value.to(torch.bfloat16) for name, value in fp32.items()}
+        assert_same_bits(engine_parameters(engine), as_engine_names(rounded))
+    finally:
+        engine.close()
