@@ -17,7 +17,8 @@
 #                 fp32 master weights and optimizer state in the trainer, vLLM in bf16.
 #   5. nccl       as 2 for $NCCL_STEPS steps with runtime.weights.channel=collective and
 #                 collective_backend=nccl (trainer and engine on GPUs; gloo in the dry run).
-# LoRA is not part of the check: streamrl does not train adapters yet.
+#   6. lora       as 1 with trainer.lora.rank=16 (alpha 32, lr 1e-3): only the adapters train and
+#                 vLLM loads the merged weights each step (its mismatch should be run 1's).
 #
 # FSDP2: the trainer role shards over ranks only with `trainer.world_size` >= 2, one GPU each,
 # and the rollout needs a GPU of its own; on fewer than 3 GPUs (or a streamrl whose trainer has
@@ -254,6 +255,8 @@ elif [[ $TRAINER_DEVICE == cuda ]]; then
 else
     say "nccl run: not run (the trainer is on the CPU; NCCL needs both ends on GPUs)"
 fi
+run lora "$SYNC_PLACEMENT, LoRA rank 16, merged weights to vLLM" "${ON_POLICY[@]}" \
+    trainer.lora.rank=16 trainer.lora.alpha=32 algorithm.lr=1e-3
 say "FSDP2: $FSDP_NOTE"
 "$PY" - "$OUT" "$DRY_RUN" "$FSDP_NOTE" "$((SECONDS - STARTED))" <<'PYEOF'
 import json
@@ -261,7 +264,7 @@ import sys
 from pathlib import Path
 
 out, dry_run, fsdp, wall = sys.argv[1:]
-names = ("on-policy", "demo", "bf16", "mixed", "nccl")
+names = ("on-policy", "demo", "bf16", "mixed", "nccl", "lora")
 runs = {n: json.loads((Path(out) / f"{n}.json").read_text()) for n in names if (Path(out) / f"{n}.json").is_file()}
 report = {"dry_run_on_cpu": dry_run == "1", "fsdp2": fsdp, "wall_s": int(wall), "runs": runs}
 (Path(out) / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
