@@ -416,6 +416,22 @@ def test_the_pre_run_checks_head_sizes_are_vllms_own() -> None:
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+@pytest.fixture
+def readable_vllm_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep vLLM's linear weights readable in this process. Where its CPU kernels prepack the
+    weights (oneDNN on AVX-512-bf16 CPUs, AMX kernels), vLLM drops each linear's `weight` for
+    an empty tensor after packing it, so there would be nothing to read back. The packing itself,
+    made from the same parameter, is unchanged: only the parameter is kept."""
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    dispatch = vllm_utils.dispatch_cpu_unquantized_gemm
+    monkeypatch.setattr(
+        vllm_utils,
+        "dispatch_cpu_unquantized_gemm",
+        lambda layer, remove_weight: dispatch(layer, remove_weight=False),
+    )
+
+
 def engine_parameters(engine: VllmEngine) -> dict[str, torch.Tensor]:
     """Copies of the parameters the (in-process) engine computes with, under vLLM's names."""
     (params,) = engine.replicas[0].llm.apply_model(
@@ -445,7 +461,9 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
 
 
-def test_bf16_weights_arrive_in_a_bf16_engine_bit_for_bit(model_dir: Path) -> None:
+def test_bf16_weights_arrive_in_a_bf16_engine_bit_for_bit(
+    model_dir: Path, readable_vllm_weights: None
+) -> None:
     """A bf16 trainer's weights (random bits: NaN payloads, infinities, -0 included), handed over
     as tensors (in process) and as the safetensors blob that crosses to an engine-core process,
     are what a bf16 vLLM engine computes with, bit for bit; an fp32 trainer's weights reach it
