@@ -169,14 +169,33 @@ class WeightGroup:
     def serve(
         cls, name: str, backend: str, address: str, port: int, world_size: int, timeout_s: float
     ) -> WeightGroup:
-        """Serve the group's TCP store (port 0: a free one) without waiting for anyone."""
+        """Serve the group's TCP store (port 0: a free one) without waiting for anyone.
+
+        The store listens on `address` only: torch's TCPStore binds every interface whatever
+        host it is given, so it is handed a socket bound here (`master_listen_fd`). It still
+        admits whoever reaches that address (SGLang's workers join with torch's own store
+        client, which has no token): keep `rollout.sglang.weight_sync_address` on a network you
+        trust."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        store = dist.TCPStore(
-            address, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        listener = socket.create_server((address, port), family=_family(address))
+        bound = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns the socket from here (and closes it)
+        try:
+            store = dist.TCPStore(
+                address,
+                bound,
+                world_size,
+                True,
+                timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(name, backend, store, world_size, timeout_s)
 
     def join(self, call: BackgroundCall) -> None:
@@ -343,3 +362,8 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None
 def tail_of(path: Path, num_lines: int = 30) -> str:
     lines = path.read_text(errors="replace").splitlines()
     return "\n".join(lines[-num_lines:])
+
+
+def _family(address: str) -> socket.AddressFamily:
+    """The address family of a listening address (a host name: its first address's)."""
+    return socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][0]

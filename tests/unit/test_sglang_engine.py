@@ -19,6 +19,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -187,6 +188,14 @@ def test_load_weights_through_distributed_matches_disk(
     engine = attach(server, tmp_path, weight_sync="distributed", weight_sync_backend="gloo")
     engine.load_weights(7, new_weights)
     assert server.stats["broadcasts"] == len(new_weights)
+    # The group's store (torch's TCPStore, which binds every interface when left to itself)
+    # listens on the loopback address the server was told, and nowhere else.
+    store_sockets = [
+        c.laddr.ip
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == engine._group.port
+    ]
+    assert store_sockets == ["127.0.0.1"]
     results = engine.generate(requests(prompts, "b", "c"), params)
     assert engine.version == 7 and server.weight_version == "7"
     assert [r.versions for r in results] == [[7] * 6] * 2
