@@ -651,8 +651,3 @@ def _check_lora(cfg: Config) -> None:
             "adapters disabled), after the advantages are taken, so the KL cannot be part of the "
             "reward: set algorithm.kl.in_reward=false (the KL in the loss) or trainer.lora.rank=0"
         )
-    if cfg.trainer.world_size > 1:
-        raise ValueError(
-            "trainer.lora is not wired into the FSDP2 ranks yet (trainer/ranks.py): set "
-            "trainer.world_size=1 or trainer.lora.rank=0"
-        )

@@ -39,7 +39,7 @@ ranks, which is what `Learner.step` assumes (it scales by world_size / global no
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +156,22 @@ def load_sharded_model(
     *,
     dtype: str = "float32",
     device: str = "cpu",
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
     **shard_options: bool,
 ) -> nn.Module:
     """This rank's FSDP2 shard of the model in `model_dir`, without any rank but 0 reading the
     weights. A collective: every rank calls it, rank 0 with `full_model` (the model loaded from
     `model_dir` on CPU, e.g. with `load_causal_lm`), the others with None.
 
-    The model is built on the meta device, sharded (`shard_model`, with `shard_options`), given
-    storage for this rank's shards on `device`, and filled from rank 0 (`copy_from_rank0`)."""
+    The model is built on the meta device, wrapped (`wrap`: e.g. LoRA adapters, which rank 0's
+    `full_model` must have too), sharded (`shard_model`, with `shard_options`), given storage for
+    this rank's shards on `device`, and filled from rank 0 (`copy_from_rank0`)."""
     if (full_model is not None) != (dist.get_rank() == 0):
         raise ValueError("pass the full model on rank 0 and None on the other ranks")
-    model = shard_model(empty_causal_lm(model_dir, dtype=dtype), mesh, **shard_options)
+    model = empty_causal_lm(model_dir, dtype=dtype)
+    if wrap is not None:
+        model = wrap(model)
+    model = shard_model(model, mesh, **shard_options)
     model.to_empty(device=device)  # FSDP2 re-registers its sharded parameters (no full tensor)
     copy_from_rank0(model, full_model)
     return model

@@ -25,8 +25,10 @@
 - **Evaluation** runs the builtin engine over the base model with the merged weights swapped
   in for its duration (`merged_in_place`); the original parameters are put back afterwards.
 
-A one-process trainer only for now (`trainer.world_size > 1` is refused): FSDP2 ranks would
-call `apply_lora` on their model before sharding it; docs/lora.md lists what else they need.
+- **FSDP2 ranks** (`trainer.world_size > 1`, `trainer/ranks.py`): rank 0 adds the adapters to the
+  model it loads, every rank adds them to its meta-device build before sharding, and rank 0
+  sends the ranks their shards of both (so every rank starts from rank 0's A). The ranks train
+  `ShardedLoraLearner`s; rank 0 merges the gathered weights in its unsharded copy.
 """
 
 from __future__ import annotations
@@ -48,11 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, lora: LoraConfig, *, seed: int | None = None
+) -> torch.nn.Module:
     """`model` with LoRA adapters on `lora.target_modules` (a `peft.PeftModel`): only the
-    adapters require gradients. Logs the number of trainable parameters."""
+    adapters require gradients. `seed`: draw the adapters' A from it (B starts at zero), so
+    one process and FSDP2 ranks start from the same adapters. Logs the number of trainable
+    parameters."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
 
     settings = PeftLoraConfig(
         r=lora.rank,
@@ -194,18 +203,24 @@ class LoraLearner(Learner):
         directory: Any = None,
     ) -> None:
         """Restore a checkpoint: `weights` are the adapter's, as `save_pretrained` wrote them."""
-        from peft import set_peft_model_state_dict
-
-        if not any(".lora_" in name for name in weights):
-            raise ValueError(
-                f"checkpoint {directory} holds no LoRA adapter (a full model's weights?): resume "
-                "it with trainer.lora.rank=0, or start a new LoRA run"
-            )
-        result = set_peft_model_state_dict(self.model, dict(weights))
-        missing = [k for k in result.missing_keys if ".lora_" in k]
-        if missing or result.unexpected_keys:
-            raise RuntimeError(
-                f"the checkpoint's adapter does not match trainer.lora: missing {missing}, "
-                f"unexpected {result.unexpected_keys}"
-            )
+        load_adapter(self.model, weights, directory)
         self.optimizer.load_state_dict(optimizer_state)
+
+
+def load_adapter(model, weights: Mapping[str, torch.Tensor], directory: Any = None) -> None:
+    """Load a checkpoint's adapter (`weights` as `save_pretrained` wrote them) into the LoRA
+    `model`; refuse a full model's weights or an adapter of another shape."""
+    from peft import set_peft_model_state_dict
+
+    if not any(".lora_" in name for name in weights):
+        raise ValueError(
+            f"checkpoint {directory} holds no LoRA adapter (a full model's weights?): resume "
+            "it with trainer.lora.rank=0, or start a new LoRA run"
+        )
+    result = set_peft_model_state_dict(model, dict(weights))
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"the checkpoint's adapter does not match trainer.lora: missing {missing}, "
+            f"unexpected {result.unexpected_keys}"
+        )

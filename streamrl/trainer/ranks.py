@@ -31,6 +31,7 @@ group's connections close, and a watchdog sees the parent go).
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -57,6 +58,7 @@ from streamrl.trainer.fsdp import (
     load_sharded_model,
 )
 from streamrl.trainer.learner import detached_logprobs
+from streamrl.trainer.lora import LoraLearner, apply_lora, is_lora, load_adapter, merged_weights
 from streamrl.trainer.microbatch import plan_step
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,8 @@ class RankSpec:
     learner_kwargs: dict[str, Any]
     """`Learner` keyword arguments (pad_token_id, lr, settings, ...)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """The `trainer` section: `mixed_precision` and `activation_checkpointing` (how the model is
-    sharded), `max_tokens_per_micro_batch` (the token budget of a micro-batch, padded [B, T]
+    """The `trainer` section: `mixed_precision`, `activation_checkpointing` and `lora` (how the
+    model is built and sharded), `max_tokens_per_micro_batch` (the token budget of a micro-batch, padded [B, T]
     size; None splits each batch of rows into about one micro-batch per rank)."""
     device: str = "cpu"
     """Where the ranks' models live (`trainer.device` resolved)."""
@@ -133,18 +135,47 @@ def micro_batch_plan(
 
 def build_rank_learner(spec: RankSpec, full_model: torch.nn.Module | None) -> FSDPLearner:
     """This rank's sharded model and learner (the process group must be initialised): rank 0
-    passes the model it loaded, the other ranks None (they read only config.json)."""
+    passes the model it loaded (with LoRA, its adapters added: `load_rank0_model`), the other
+    ranks None (they read only config.json)."""
     torch.manual_seed(spec.seed)
+    lora = spec.trainer.lora
     model = load_sharded_model(
         spec.model_dir,
         data_parallel_mesh(spec.device),
         full_model,
         dtype=spec.dtype,
         device=spec.device,
+        wrap=functools.partial(apply_lora, lora=lora) if lora.rank else None,
         mixed_precision=spec.trainer.mixed_precision,
         activation_checkpointing=spec.trainer.activation_checkpointing,
     )
-    return FSDPLearner(model, **spec.learner_kwargs)
+    return (ShardedLoraLearner if lora.rank else FSDPLearner)(model, **spec.learner_kwargs)
+
+
+def load_rank0_model(spec: RankSpec) -> torch.nn.Module:
+    """Rank 0's unsharded CPU copy: the policy, with LoRA its adapters added (from the run's
+    seed, as in one process; the ranks receive them from this copy)."""
+    model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+    return apply_lora(model, spec.trainer.lora, seed=spec.seed) if spec.trainer.lora.rank else model
+
+
+class ShardedLoraLearner(LoraLearner, FSDPLearner):
+    """A LoRA learner on one FSDP2 rank: `LoraLearner`'s reference log-probs (adapters disabled)
+    and checkpoint handling over `FSDPLearner`'s collectives. Its `named_weights` are the
+    gathered unmerged weights (peft's names) on rank 0; `RankedLearner` merges them in its copy."""
+
+    named_weights = FSDPLearner.named_weights
+
+    def accumulate(
+        self, rows: Sequence[Mapping[str, Any]], *, num_skipped_tokens: float = 0.0
+    ) -> None:
+        if not rows and self.settings.kl_in_loss:
+            # The peers score their rows' reference log-probs first: join that forward's
+            # all-gathers with a one-token forward of our own, as the zero pass joins theirs.
+            pad = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+            with torch.no_grad(), self.model.disable_adapter():
+                self.model(input_ids=pad, use_cache=False)
+        super().accumulate(rows, num_skipped_tokens=num_skipped_tokens)
 
 
 def _command(code: int, arg: int = 0) -> None:
@@ -254,7 +285,7 @@ class RankedLearner:
         init_distributed(0, world_size, init_method, device=_backend_device(spec.device))
         # The unsharded copy on rank 0 (CPU): the ranks' shards come from it; then evaluation,
         # save_pretrained and pi_old log-probs read it.
-        self.model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+        self.model = load_rank0_model(spec)
         self.local = build_rank_learner(spec, self.model)
         self._copy_is_current = False  # `model` holds the ranks' weights (see `named_weights`)
         self.settings = self.local.settings
@@ -319,6 +350,8 @@ class RankedLearner:
             for name, value in full.items():
                 params[name].copy_(value)
         self._copy_is_current = True
+        if is_lora(self.model):  # the engines get the adapters merged in (peft's names gone)
+            return merged_weights(self.model)
         # The gathered tensors are fresh and held nowhere else (the copy took their values), so
         # they are published as they are: a clone would be one more full model on rank 0.
         return full
@@ -348,7 +381,10 @@ class RankedLearner:
                 "this checkpoint's optimizer state was written by a single-process trainer "
                 "(trainer.world_size=1); resume it with trainer.world_size=1"
             )
-        self.model.load_state_dict(weights, strict=False)  # tied weights are absent
+        if is_lora(self.model):  # `weights` are the adapter's
+            load_adapter(self.model, weights, directory)
+        else:
+            self.model.load_state_dict(weights, strict=False)  # tied weights are absent
         _command(_LOAD)
         path = str(Path(directory) / optimizer_state["dir"])
         _broadcast_blob(_text_blob(path))

@@ -76,7 +76,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         if t.lora.rank:
             from streamrl.trainer.lora import LoraLearner, apply_lora
 
-            model = apply_lora(model, t.lora)
+            model = apply_lora(model, t.lora, seed=ctx.cfg.run.seed)
             return LoraLearner(
                 model, compile=t.compile, mixed_precision=t.mixed_precision, **kwargs
             )
