@@ -34,13 +34,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, train_command  # noqa: E402
 
-from streamrl.runtime.status import live_pid  # noqa: E402
+from streamrl.runtime.status import kill_job_process, live_pid  # noqa: E402
 
 ROLES = ("feeder", "rollout", "reward", "advantage", "trainer")
 SERVICES = ("bus#0", "weights")
@@ -49,26 +48,6 @@ SERVICES = ("bus#0", "weights")
 def steps_done(run_dir: Path) -> int:
     path = run_dir / "trained_samples.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def kill_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
-    """SIGKILL `pid` if it is a descendant of `proc` (through a pidfd: a stale pid that now
-    names another process, or a thread id, is never signalled)."""
-    if pid is None:
-        return None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return None
-    try:
-        if pid not in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}:
-            return None
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except (ProcessLookupError, psutil.NoSuchProcess):
-        return None
-    finally:
-        os.close(pidfd)
-    return pid
 
 
 def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 900.0):
@@ -125,7 +104,9 @@ def main() -> None:
         for name, step in schedule:
             wait_for(proc, f"step {step}", lambda s=step: steps_done(run_dir) >= s)
             pid = wait_for(
-                proc, f"a live {name}", lambda n=name: kill_ours(proc, live_pid(run_dir, n))
+                proc,
+                f"a live {name}",
+                lambda n=name: kill_job_process(proc.pid, live_pid(run_dir, n)),
             )
             killed = time.monotonic()
             wait_for(

@@ -1,9 +1,15 @@
 """The files a Ray-mode run keeps about its roles: `roles.json` (where each role runs, its health
-and restarts; rewritten by the supervisor) and `events.jsonl` (every failure and what was done)."""
+and restarts; rewritten by the supervisor) and `events.jsonl` (every failure and what was done).
+
+`live_pid` and `kill_job_process` are what fault injection needs (the chaos test, the fault
+tests, `benchmarks/soak.py`): find a role's or service's live process, and kill it only if it
+still belongs to the job."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +41,26 @@ def live_pid(run_dir: Path, name: str) -> int | None:
         return None
     info = status.get("roles", {}).get(name) or status.get("services", {}).get(name)
     return info["pid"] if info and info.get("healthy") else None
+
+
+def kill_job_process(job_pid: int, pid: int | None) -> int | None:
+    """SIGKILL `pid` if it is a descendant of the job's process `job_pid`, through a pidfd (a
+    stale pid that now names another process, or a thread id, is never signalled). Returns
+    `pid` when it was signalled, else None."""
+    import psutil
+
+    if pid is None:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None  # gone, or a thread id: not a process of the job
+    try:
+        if pid not in {child.pid for child in psutil.Process(job_pid).children(recursive=True)}:
+            return None
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
+    finally:
+        os.close(pidfd)
+    return pid

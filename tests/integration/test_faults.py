@@ -22,10 +22,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
 
-from streamrl.runtime.status import live_pid
+from streamrl.runtime.status import kill_job_process, live_pid
 from tests.integration.conftest import QUICK, REPO, cli_env, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -68,30 +67,8 @@ def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) ->
 
 
 def kill_if_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
-    """SIGKILL `pid` and return it if it is a process of the run `proc` (a descendant); else None.
-
-    `roles.json` can name a role that died a moment ago, and pids come round within minutes on a
-    busy machine (pid_max 32768, thread ids drawn from the same numbers): a stale pid may by then
-    name another test's process or one of its threads, and a signal to a thread id kills the
-    whole process (a pytest worker then dies mid-test). A pidfd pins the process while it is
-    checked: it refuses thread ids, and a signal through it cannot reach a later holder of the
-    number."""
-    if pid is None:
-        return None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return None  # gone, or a thread id: not a role process
-    try:
-        ours = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)}
-        if pid not in ours:
-            return None
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except (ProcessLookupError, psutil.NoSuchProcess):
-        return None
-    finally:
-        os.close(pidfd)
-    return pid
+    """SIGKILL `pid` if it is a process of the run `proc` started (`kill_job_process`)."""
+    return kill_job_process(proc.pid, pid)
 
 
 def finish(proc: subprocess.Popen) -> str:
