@@ -15,10 +15,11 @@ Three levels, each adding to the one before:
 |            | the sandbox, `--die-with-parent`), the filesystem read-only with a private /tmp, |
 |            | homes, /run and /var/tmp hidden, and, when the caller is root, the user `nobody` |
 |            | without capabilities (util-linux `setpriv`): root ignores the process limit and  |
-|            | may read every root-owned file                                                   |
+|            | may read every root-owned file; a seccomp filter refuses the system calls a      |
+|            | sandbox escape goes through (`reward/seccomp.py`; where libseccomp is installed) |
 
 Under `namespaces` only the Python installation and the directories on the sandbox's PYTHONPATH
-are put back, read-only, into the hidden trees. Seccomp filters are not applied.
+are put back, read-only, into the hidden trees.
 
 `Sandbox(level, require=...)` checks once per process that the level works here (it runs `true`
 in it); when it does not, it refuses with what is missing and how to get it, or, with
@@ -41,6 +42,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from streamrl.reward.seccomp import program_fd, seccomp_program
 
 Level = Literal["none", "process", "namespaces"]
 LEVELS: tuple[Level, ...] = ("none", "process", "namespaces")
@@ -191,7 +194,7 @@ class Sandbox:
                     "read-only filesystem": "off",
                     "hidden homes": "off",
                     "unprivileged user": "off" if self.as_root else "on (the caller's)",
-                    "seccomp": "off (not implemented)",
+                    "seccomp": "off (the namespaces level only)",
                 },
             )
         user = f"on (uid {SANDBOX_UID}, no capabilities)" if self.as_root else "on (the caller's)"
@@ -205,7 +208,7 @@ class Sandbox:
                 "read-only filesystem": "on",
                 "hidden homes": f"on ({', '.join(self._hidden_trees())})",
                 "unprivileged user": user,
-                "seccomp": "off (not implemented)",
+                "seccomp": seccomp_program()[1],
                 "bwrap": f"on ({find_bwrap()})",
             },
         )
@@ -234,9 +237,19 @@ class Sandbox:
         # bwrap itself gets the scrubbed environment too: /proc/1/environ inside the sandbox is
         # bwrap's.
         env = self._environment("/tmp")
-        return subprocess.Popen(
-            [*prefix, *self._bwrap_args(env), *argv], env=env, start_new_session=True, **kwargs
-        )
+        seccomp_fd = program_fd()
+        pass_fds = (*kwargs.pop("pass_fds", ()), *(() if seccomp_fd is None else (seccomp_fd,)))
+        try:
+            return subprocess.Popen(
+                [*prefix, *self._bwrap_args(env, seccomp_fd), *argv],
+                env=env,
+                start_new_session=True,
+                pass_fds=pass_fds,
+                **kwargs,
+            )
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)  # bwrap has its own copy
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
@@ -291,7 +304,7 @@ class Sandbox:
         covered = [*hidden, "/tmp"]
         return sorted(p for p in found if any(_under(p, tree) for tree in covered))
 
-    def _bwrap_args(self, env: dict[str, str]) -> list[str]:
+    def _bwrap_args(self, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
         hidden = self._hidden_trees()
         args = [str(find_bwrap()), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         for tree in hidden:
@@ -303,6 +316,8 @@ class Sandbox:
             args += ["--perms", "0755", "--dir", parent]
         for path in visible:
             args += ["--ro-bind", path, path]
+        if seccomp_fd is not None:  # installed by bwrap right before it runs the command
+            args += ["--seccomp", str(seccomp_fd)]
         args += _NAMESPACE_FLAGS + ["--chdir", "/tmp", "--clearenv"]
         for name, value in env.items():
             args += ["--setenv", name, value]

@@ -34,6 +34,7 @@ from streamrl.reward.sandbox import (
     ScoreTask,
     checked,
 )
+from streamrl.reward.seccomp import seccomp_program
 from tests.unit.reward_modules import Scorers, reward_module
 
 MODULE = "streamrl_sandbox_test_rewards"
@@ -163,6 +164,14 @@ SOURCE = textwrap.dedent(
             return 1.0
         if kind == "kill":
             os.kill(int(arg), signal.SIGKILL)
+            return 1.0
+        if kind in ("ptrace", "unshare"):  # be traced by the parent; unshare(flags)
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            done = libc.ptrace(0, 0, 0, 0) if kind == "ptrace" else libc.unshare(int(arg))
+            if done != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             return 1.0
         return 1.0
     """
@@ -382,12 +391,11 @@ def test_the_isolation_in_force_is_logged_at_start(make_scorer, caplog) -> None:
         "read-only filesystem on",
         "hidden homes on",
         "unprivileged user on",
-        "seccomp off",
+        "seccomp on" if seccomp_program()[0] is not None else "seccomp off (libseccomp",
     ):
         assert mechanism in line
     assert scorer.isolation.level == "namespaces"
     assert scorer.isolation.on("network namespace")
-    assert not scorer.isolation.on("seccomp")
 
 
 def test_a_missing_bwrap_is_refused_with_what_to_do(monkeypatch, caplog) -> None:
@@ -592,6 +600,21 @@ def test_an_endless_loop_is_stopped_at_the_deadline(jail) -> None:
     assert (result.status, result.reason) == ("timeout", "reward took over 2.0s")
     assert time.monotonic() - start < 10
     assert jail.num_restarts == restarts + 1
+
+
+CLONE_NEWUSER = 0x10000000
+
+
+def test_system_calls_of_sandbox_escapes_are_refused(jail, make_scorer) -> None:
+    """The seccomp filter refuses them (EPERM): a new user namespace, being traced, and even a
+    harmless unshare(0), which succeeds without the filter (the `process` level), so the check
+    can see the difference."""
+    if seccomp_program()[0] is None:
+        pytest.skip("libseccomp is not installed: the filter is off")
+    for attempt in (f"unshare:{CLONE_NEWUSER}", "ptrace:", "unshare:0"):
+        assert dropped(attack(jail, attempt), "Operation not permitted"), attempt
+    outside = make_scorer("hostile", sandbox="process")
+    assert outside.score([ScoreTask("unshare:0", "")]) == [RewardResult.ok(1.0)]
 
 
 def test_killing_the_parent_kills_nothing_outside(jail) -> None:
