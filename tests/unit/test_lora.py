@@ -20,25 +20,14 @@ from streamrl.reference.service import reference_fields
 from streamrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from streamrl.trainer.lora import LoraLearner, merged_in_place, merged_weights
 from streamrl.trainer.role import make_learner
+from tests.unit.test_precision import rows as precision_rows
 
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "algorithm.lr=1e-2"]
 
 
 def rows(num: int = 6, seed: int = 0) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(num):
-        width = int(rng.integers(2, 6))
-        out.append(
-            {
-                "sample_id": f"s{seed}-{i}",
-                "prompt_ids": rng.integers(5, 100, size=4).tolist(),
-                "response_ids": rng.integers(5, 100, size=width).tolist(),
-                "rollout_logprobs": [-4.9] * width,
-                "advantages": 1.0 if i % 2 else -1.0,
-            }
-        )
-    return out
+    """test_precision's rows, each with a sample id."""
+    return [{**r, "sample_id": f"s{seed}-{i}"} for i, r in enumerate(precision_rows(num, seed))]
 
 
 def lora_learner(model_dir: Path, tmp_path: Path, *overrides: str) -> LoraLearner:
