@@ -16,22 +16,17 @@ import json
 import os
 import random
 import signal
-import subprocess
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from streamrl.runtime.status import live_pid
 from tests.integration.conftest import SHORT, read_jsonl
 from tests.integration.test_faults import (
     all_ids,
     finish,
-    kill_if_ours,
+    kill_role,
     start,
-    steps_done,
     trained_ids,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,13 +48,6 @@ def kill_plan(seed: int, steps: int) -> list[tuple[str, int]]:
     return list(zip(victims, at, strict=True))
 
 
-def kill_process(proc: subprocess.Popen, run_dir: Path, name: str, at_step: int) -> None:
-    """SIGKILL `name` once `at_step` steps are logged; return once its successor is up."""
-    wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
-    pid = wait_for(proc, f"a live {name}", lambda: kill_if_ours(proc, live_pid(run_dir, name)))
-    wait_for(proc, f"{name} restarted", lambda: live_pid(run_dir, name) not in (None, pid))
-
-
 @pytest.mark.parametrize("seed", [25])
 def test_random_kills_of_every_kind_of_process_train_each_sample_once(tmp_path, seed):
     run_dir = tmp_path / "chaos"
@@ -70,7 +58,7 @@ def test_random_kills_of_every_kind_of_process_train_each_sample_once(tmp_path, 
     proc = start(args, run_dir)
     try:
         for name, step in plan:
-            kill_process(proc, run_dir, name, step)
+            kill_role(proc, run_dir, name, step)  # roles and services alike
         finish(proc)
     finally:
         if proc.poll() is None:

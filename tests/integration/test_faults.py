@@ -60,7 +60,8 @@ def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 300):
 
 
 def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) -> None:
-    """SIGKILL `role`'s process once `at_step` steps are done; wait for its replacement."""
+    """SIGKILL `role`'s process (or a service's: `bus#0`, `weights`) once `at_step` steps are
+    done; wait for its replacement."""
     wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
     pid = wait_for(proc, f"a live {role}", lambda: kill_if_ours(proc, live_pid(run_dir, role)))
     wait_for(proc, f"{role} restarted", lambda: live_pid(run_dir, role) not in (None, pid))
