@@ -33,6 +33,11 @@ leases; ``expired_leases`` counts per shard (a lease spanning k shards counts k 
 
 ``RayBus`` holds only the shard handles and options, so it pickles cheaply and can be passed to
 other actors and tasks.
+
+A ``restartable`` bus survives the loss of a shard's process: Ray restarts the shard under the
+same handle and retries the calls in flight, which wait until the supervisor has restored the
+shard (``restore_shard``) and re-added its rows that were not yet trained (``restore_rows``);
+``runtime/recovery.py`` says which rows and why training stays exactly-once.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class RayBus:
         inline_bytes: int = 256 * 1024,
         payload_owner: PayloadOwner = "keeper",
         max_concurrency: int = 64,
+        restartable: bool = False,
     ) -> RayBus:
         """Start ``shards`` shard actors (no CPU reserved: they mostly wait).
 
@@ -107,6 +113,9 @@ class RayBus:
                 or ``"writer"`` (cheaper; lost if the writer dies).
             max_concurrency: threads of each shard actor. A claim that waits for rows
                 (``wait_s``) holds one, so give it more than the calls clients keep in flight.
+            restartable: Ray restarts a shard whose process died (empty, holding calls until
+                ``restore_shard``) and retries the calls in flight; otherwise a lost shard is
+                gone and calls to it fail.
         """
         if not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards must be an int >= 1, got {shards!r}")
@@ -118,13 +127,16 @@ class RayBus:
             )
         options = BusOptions(capacity_groups, inline_bytes, payload_owner)
         strategy = "SPREAD" if shards > 1 else "DEFAULT"
+        restarts = {"max_restarts": -1, "max_task_retries": -1} if restartable else {}
+        bus_id = uuid.uuid4().hex[:12] if restartable else ""
         handles = [
             RemoteBusShard.options(
                 name=name if k == 0 else None,
                 num_cpus=0,
                 scheduling_strategy=strategy,
                 max_concurrency=max_concurrency,
-            ).remote(k, shards, capacity_groups, closed_leases_kept)
+                **restarts,
+            ).remote(k, shards, capacity_groups, closed_leases_kept, bus_id)
             for k in range(shards)
         ]
         get_all([handles[0].connect.remote(handles, options)])
@@ -331,6 +343,37 @@ class RayBus:
         }
         rest = {**state, "counters": counters}
         self._on({k: (rest,) for k in range(1, self.num_shards)}, "load_state_dict")
+
+    # -- after a shard's process was lost (restartable buses) -----------------------------------
+
+    def restore_shard(self, k: int, consumers: Sequence[str], freed: Sequence[str] = ()) -> None:
+        """Ray restarted shard ``k`` empty: give it the topology, the consumers and ``freed``
+        (ids consumed, from the latest checkpoint), with creation numbers after every live
+        shard's, and let the calls it holds through. Its rows are re-added by the caller."""
+        others = [j for j in range(self.num_shards) if j != k]
+        next_seq = max(get_all([self._shards[j].next_seq.remote() for j in others]), default=0)
+        topology = (self._shards, self._options)
+        get_all([self._shards[k].restore.remote(*topology, list(consumers), list(freed), next_seq)])
+
+    def restore_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``add_rows`` for rows that were live when their shard was lost: the capacity is not
+        checked (they held their room before), ids live or consumed elsewhere are skipped."""
+        rows = [dict(row) for row in rows]
+        if not rows:
+            return
+        stored = self._store({i: row.get("fields") or {} for i, row in enumerate(rows)})
+        rows_by_shard: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+        summaries_by_shard: dict[int, dict[str, Any]] = defaultdict(dict)
+        for pos, row in enumerate(rows):
+            k = self.shard_of(row.get("group_id"))
+            if row.get("fields") and "sample_id" in row:
+                summaries_by_shard[k][row["sample_id"]] = samplers.summarize(row["fields"])
+            rows_by_shard[k].append((pos, {**row, "fields": stored[pos]}))
+        self._on({0: (dict(rows_by_shard), dict(summaries_by_shard), False)}, "add_rows_sharded")
+
+    def shard_of(self, group_id: Any) -> int:
+        """The shard that holds (or would hold) the rows of group ``group_id``."""
+        return self._shard_of(group_id)
 
     def ping_all(self) -> dict[int, ray.ObjectRef]:
         """Start a health check of every shard: shard -> a call that answers with its pid, or

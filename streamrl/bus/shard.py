@@ -16,6 +16,11 @@ the shards' answers. That needs a few operations ``LocalBus`` does not offer, ad
 - ``wait_ready``: a long poll that leases nothing: it returns True once the sampler would pick
   something here. The client waits on every shard and claims again as soon as one says yes.
 - ``locate``, ``lease_ids``, ``release_consumer_ids``: routing and counting across shards.
+- ``restore``: a shard whose process was lost and restarted comes back empty; it takes the
+  consumers and the freed ids it is given, and from then on forgives what its clients still
+  send about the rows it lost (``lost_calls``): an ack or release of a lease it never issued
+  and a write or drop of a row it does not hold are counted and ignored, since those rows
+  are regenerated under their own ids (``runtime/recovery.py``).
 
 Merging is exact: every sampler walks the candidates in one order that all shards share
 (creation order, or oldest version then creation order) and takes a prefix of it (whole groups,
@@ -45,6 +50,61 @@ class ShardBus(LocalBus):
     def __init__(self, capacity_groups: int | None = None, closed_leases_kept: int = 10_000):
         super().__init__(capacity_groups=capacity_groups, closed_leases_kept=closed_leases_kept)
         self._seqs: Mapping[str, int] | None = None  # creation numbers for the add in progress
+        self._restored = False  # set by `restore`: forgive calls about the rows that were lost
+
+    # -- a shard restarted after its process was lost ------------------------------------
+
+    def restore(self, consumers: Sequence[str], freed: Sequence[str], next_seq: int) -> None:
+        """Come back after a loss: register ``consumers``, remember ``freed`` (the ids a
+        checkpoint says were consumed) and number new rows from ``next_seq`` on."""
+        with self._locked(changes=True):
+            for name in consumers:
+                self._register(name)
+            self._freed.update(freed)
+            self._next_seq = max(self._next_seq, next_seq)
+            self._counters.setdefault("lost_calls", 0)
+            self._restored = True
+
+    def next_seq(self) -> int:
+        with self._locked():
+            return self._next_seq
+
+    def ack(self, lease_id: str, sample_ids=None, *, writes=None, summaries=None) -> None:
+        with self._locked():
+            if self._forgiven_lease(lease_id):
+                return
+            super().ack(lease_id, sample_ids, writes=writes, summaries=summaries)
+
+    def release(self, lease_id: str) -> None:
+        with self._locked():
+            if self._forgiven_lease(lease_id):
+                return
+            super().release(lease_id)
+
+    def write(self, updates, *, summaries=None) -> None:
+        with self._locked():
+            super().write(self._known(updates), summaries=summaries)
+
+    def drop(self, sample_ids: Sequence[str], reason: str) -> None:
+        with self._locked():
+            super().drop(list(self._known(dict.fromkeys(sample_ids))), reason)
+
+    def _forgiven_lease(self, lease_id: str) -> bool:
+        """A restored shard: a lease issued by its lost predecessor (the caller's work on
+        those rows is void; they are regenerated)."""
+        known = lease_id in self._leases or lease_id in self._closed_leases
+        if self._restored and not known:
+            self._counters["lost_calls"] += 1
+            return True
+        return False
+
+    def _known(self, by_id: Mapping[str, Any]) -> dict[str, Any]:
+        """``by_id`` without the rows a restored shard never saw (lost with its predecessor)."""
+        if not self._restored:
+            return dict(by_id)
+        kept = {s: v for s, v in by_id.items() if s in self._rows or s in self._freed}
+        self._counters["lost_calls"] += len(by_id) - len(kept)
+        return kept
 
     # -- two-phase add ---------------------------------------------------------------------
 

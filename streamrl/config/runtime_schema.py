@@ -87,7 +87,8 @@ class RayConfig(Section):
     trainer_recovery: Literal["in_place", "restart_all"] = "in_place"
     """Ray mode: a lost trainer resumes from its latest checkpoint alone while the other roles
     keep running (in_place; the bus then keeps the rows trained since the last checkpoint, up
-    to `trainer.checkpoint_every` batches more), or every role restarts with it (restart_all;
+    to `trainer.checkpoint_every` batches more; a lost bus shard is rebuilt the same way, Ray
+    restarting it and the trainer resuming), or every role restarts with it (restart_all;
     also what in_place falls back to with trainer.checkpoint_every=0)."""
     restart_backoff_s: float = Field(1.0, ge=0)
     """Ray mode: wait before a role's n-th restart is this times 2^(n-1)."""

@@ -42,7 +42,7 @@ from streamrl.runtime.placement import (
     role_placement,
     role_threads,
 )
-from streamrl.runtime.recovery import settle_trainer_rows
+from streamrl.runtime.recovery import lost_rows, settle_trainer_rows
 from streamrl.runtime.roles import base_role, loop_role
 from streamrl.runtime.supervisor import Supervisor
 from streamrl.trainer.checkpoint import latest_checkpoint, read_state
@@ -272,7 +272,12 @@ def run_ray(
     # most two calls in flight (the trainer's prefetch claim and its acks), plus the driver's.
     # Replicas added later (`streamrl scale`) share the margin; past it, calls queue, briefly.
     threads = max(BUS_THREADS, 16 + 4 * len(names))
-    bus = RayBus.create(capacity_groups=capacity, shards=rt.ray.bus_shards, max_concurrency=threads)
+    bus = RayBus.create(
+        capacity_groups=capacity,
+        shards=rt.ray.bus_shards,
+        max_concurrency=threads,
+        restartable=in_place_recovery(ctx.cfg),  # a lost shard is rebuilt in place
+    )
     for consumer in bus_consumers(ctx.cfg):
         bus.register_consumer(consumer)
     actor_cls = ray.remote(max_concurrency=4)(RoleActor)
@@ -319,6 +324,28 @@ def run_ray(
             f"back, {acked} checkpointed rows acked; the other roles keep running)"
         )
 
+    def recover_shard(k: int) -> str:
+        """Ray restarted bus shard k empty: the trainer resumes from its latest checkpoint c and
+        the shard's rows of batches c.. come back under their own ids (`runtime/recovery.py`)."""
+        feeders = [n for n in supervisor.actors if role_spec(base_role(n)).reads_train_rows]
+        # Where the feeder got to; if it cannot say, every batch (the feeder's later adds of
+        # those rows are no-ops; rows added early wait on the bus as any prompt does).
+        added_to = _feeder_next_batch(supervisor, feeders)
+        added_to = ctx.cfg.trainer.steps if added_to is None else added_to
+        supervisor.halt([pacer, *feeders])
+        checkpoint = latest_checkpoint(ctx.run_dir)
+        freed = read_state(checkpoint).get("bus", {}).get("freed", []) if checkpoint else []
+        bus.restore_shard(k, bus_consumers(ctx.cfg), freed)
+        resumed = resume_trainer()
+        step = trainer_start["step"]
+        rows = lost_rows(ctx, bus, k, range(step, min(added_to, ctx.cfg.trainer.steps)))
+        bus.restore_rows(rows)
+        supervisor.start([pacer, *feeders])
+        return (
+            f"rebuilt in place: {len(rows)} rows of batches {step}..{added_to - 1} re-added "
+            f"under their own ids; the trainer is {resumed}"
+        )
+
     supervisor = Supervisor(
         make_actor,
         bus,
@@ -331,6 +358,7 @@ def run_ray(
         log_sink=log_sink,
         on_removed=group.release if group is not None else None,
         resume_trainer=resume_trainer if in_place_recovery(ctx.cfg) else None,
+        recover_shard=recover_shard if in_place_recovery(ctx.cfg) else None,
         store=trainer_start["weights"]
         if isinstance(trainer_start["weights"], RayWeights)
         else None,
@@ -398,6 +426,16 @@ def _pacer_step(supervisor: Supervisor | None, default: int) -> int:
         return ray.get(supervisor.actors[supervisor.pacer].stats.remote(), timeout=30)["step"]
     except (RayActorError, ray.exceptions.GetTimeoutError):
         return default
+
+
+def _feeder_next_batch(supervisor: Supervisor, feeders: list[str]) -> int | None:
+    """The first batch the feeder has not added yet (None if it cannot say)."""
+    try:
+        return max(
+            ray.get(supervisor.actors[n].stats.remote(), timeout=30)["next_batch"] for n in feeders
+        )
+    except (RayActorError, ray.exceptions.GetTimeoutError, KeyError, ValueError):
+        return None
 
 
 class RayDeployment:

@@ -21,7 +21,7 @@ and at once whenever a role fails, since a role often fails because of them):
 | process | when it dies |
 | --- | --- |
 | weight store (`weights`, object-store channel) | Ray restarts it under the same handle and re-runs the calls in flight; the supervisor sees the new pid, asks the trainer to publish its current weights again, and counts a restart (same budget); engines keep their version meanwhile |
-| bus shard (`bus#<k>`) | its rows are gone: `BusLost` is raised and the controller restarts every role from the latest checkpoint, where the feeder re-adds the batches after it under their own sample ids; rows before it stay acked (the checkpoint holds them) |
+| bus shard (`bus#<k>`) | with `recover_shard` (in-place recovery): Ray restarts it empty under the same handle, holding the calls in flight; the supervisor sees the new pid and `recover_shard` rebuilds it while the other roles keep running (`runtime/recovery.py`); a restart counts against the same budget. Without it (or when Ray cannot restart it): `BusLost` is raised and the controller restarts every role from the latest checkpoint |
 
 Every failure and action is logged, appended to `events.jsonl` in the run directory and to the
 role's own log file (`logs/<role>.log`), and `roles.json` there always says where each role runs
@@ -79,6 +79,7 @@ class Supervisor:
         log_sink=None,
         on_removed: Callable[[str], None] | None = None,
         resume_trainer: Callable[[], str] | None = None,
+        recover_shard: Callable[[int], str] | None = None,
         store=None,
         service_restarts: Mapping[str, int] | None = None,
     ):
@@ -94,6 +95,7 @@ class Supervisor:
         self.log_sink = log_sink
         self.on_removed = on_removed  # a drained replica is gone (its placement bundle is free)
         self.resume_trainer = resume_trainer  # readies a restart in place; says what it did
+        self.recover_shard = recover_shard  # rebuilds a restarted bus shard; says what it did
         self.actors: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
@@ -152,7 +154,7 @@ class Supervisor:
             refs["weights"] = self.store.handle.incarnation.remote()
         return refs
 
-    def check_services(self, timeout_s: float = 10.0) -> None:
+    def check_services(self, timeout_s: float = 60.0) -> None:
         """Check every service now (a role failed: was it because of one?)."""
         for name, ref in self._service_refs().items():
             try:
@@ -168,14 +170,19 @@ class Supervisor:
             return
         pid = _pid(answer)
         if pid != info["pid"]:
-            self._store_restarted(name, info["pid"], pid)
+            self._service_restarted(name, info["pid"], pid)
 
     def service_died(self, name: str, error: Exception) -> None:
-        """Service `name` is gone (a health check failed, or a call to it did): mark it down,
-        log the event and raise `BusLost`, which restarts every role from the latest checkpoint."""
+        """Service `name` is gone (a health check failed, or a call to it did)."""
+        self._service_lost(
+            name, f"process died (pid {self.services[name]['pid']}, {type(error).__name__})"
+        )
+
+    def _service_lost(self, name: str, reason: str) -> None:
+        """Mark service `name` down, log the event and raise `BusLost`, which restarts every
+        role from the latest checkpoint."""
         info = self.services[name]
         info["healthy"] = False
-        reason = f"process died (pid {info['pid']}, {type(error).__name__})"
         # A shard's rows are gone; the store only dies for good if Ray cannot restart it.
         what = "bus shard" if name.startswith("bus#") else "weight store"
         self._event(name, reason, f"{what} lost: every role restarts from the latest checkpoint")
@@ -191,11 +198,15 @@ class Supervisor:
             f"{time.time() - lost.since:.1f}s after the loss",
         )
 
-    def _store_restarted(self, name: str, old_pid: int, new_pid: int) -> None:
-        """Ray restarted the weight store (empty): have the trainer publish its weights again."""
+    def _service_restarted(self, name: str, old_pid: int, new_pid: int) -> None:
+        """Ray restarted a service (empty): a bus shard is rebuilt in place (`recover_shard`),
+        the weight store gets the trainer's weights again."""
         t0 = time.monotonic()
         info = self.services[name]
         used = info["restarts"]
+        shard = name.startswith("bus#")
+        if shard and self.recover_shard is None:
+            self._service_lost(name, f"process died (pid {old_pid})")
         if used >= self.max_restarts:
             info["healthy"] = False
             self._event(
@@ -203,12 +214,14 @@ class Supervisor:
             )
             self.write_status()
             raise RoleFailed(
-                f"the weight store's process died {used + 1} times "
-                f"(runtime.ray.max_restarts={self.max_restarts})"
+                f"{'bus shard ' + name if shard else 'the weight store'}'s process died "
+                f"{used + 1} times (runtime.ray.max_restarts={self.max_restarts})"
             )
         info.update(pid=new_pid, restarts=used + 1, healthy=True)
         self.restarts[name] = used + 1
-        if self.pacer in self.runs:
+        if shard:
+            how = self.recover_shard(int(name.removeprefix("bus#")))
+        elif self.pacer in self.runs:
             try:
                 version = ray.get(self.actors[self.pacer].republish.remote(), timeout=300)
                 how = f"the trainer published version {version} again"
@@ -224,6 +237,19 @@ class Supervisor:
             f"in {info['recovery_s']:.1f}s",
         )
         self.write_status()
+
+    def halt(self, names: list[str]) -> None:
+        """Kill roles now (a shard's recovery restarts them with `start`) and wait until their
+        processes are gone, so none acks, writes or logs anything more."""
+        for name in names:
+            self.runs.pop(name, None)
+            self._pings.pop(name, None)
+            try:
+                ray.kill(self.actors[name])
+            except Exception:  # already gone
+                pass
+        for name in names:
+            _wait_gone(self.actors[name])
 
     def run(self, names: list[str]) -> None:
         """Start the loops of roles created by `start(..., run=False)`."""
@@ -295,7 +321,11 @@ class Supervisor:
         self.runs.pop(name, None)
         self._pings.pop(name, None)
         if self.services:
-            self.check_services()  # a lost shard raises BusLost: restarting this role is moot
+            # A shard lost for good raises BusLost (restarting this role is moot); one that Ray
+            # restarted is rebuilt first, which may restart this role already.
+            self.check_services()
+            if name in self.runs:
+                return
         if name == self.pacer and self.resume_trainer is None:
             self._event(name, reason, "resume from the latest checkpoint, restarting every role")
             self.write_status()
