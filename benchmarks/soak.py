@@ -11,7 +11,8 @@ After the run:
 - kills survived: kills after which the victim came back, the run finishing without a hand;
 - samples lost: sample ids of the run's batches neither trained nor dropped with a reason;
 - samples duplicated: extra trainings of a sample id (an uninterrupted run trains each once);
-- held-out accuracy before and after, restarts per process, and each bus shard's recovery time.
+- held-out accuracy before and after, restarts per process, what each bus shard's loss cost (a
+  rebuild in place, with its time) and how many times every role was restarted (0 expected).
 
     python benchmarks/soak.py [--rounds 3] [--seed 0] [--run-dir DIR] [override ...]
 
@@ -133,7 +134,8 @@ def main() -> None:
     lost = len(expected - set(trained)) - dropped
     duplicated = sum(count - 1 for count in trained.values())
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    recoveries = [e["action"] for e in events if e["failure"] == "recovered"]
+    shard_events = [e["action"] for e in events if e["role"].startswith("bus#")]
+    restarts_of_all = [e["action"] for e in events if e["failure"] == "recovered"]
     print(f"kills survived: {survived} of {len(schedule)} ({Counter(n for n, _ in schedule)})")
     print(f"samples trained: {sum(trained.values())}, dropped with a reason: {dropped}")
     print(f"samples lost: {lost}")
@@ -144,7 +146,8 @@ def main() -> None:
         f"{summary['final_eval_accuracy']:.3f}"
     )
     print(f"restarts: {summary['role_restarts']}")
-    print(f"bus shard recoveries: {recoveries}")
+    print(f"bus shard losses: {shard_events}")
+    print(f"restarts of every role: {len(restarts_of_all)} {restarts_of_all}")
     print(
         f"wall time: {time.monotonic() - started:.0f}s (RL phase {summary['rl_wall_time_s']:.0f}s)"
     )

@@ -13,21 +13,14 @@ the run directory; `benchmarks/soak.py` is the long version (every process three
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
+import re
 from collections import Counter
 
 import pytest
 
 from tests.integration.conftest import SHORT, read_jsonl
-from tests.integration.test_faults import (
-    all_ids,
-    finish,
-    kill_role,
-    start,
-    trained_ids,
-)
+from tests.integration.test_faults import all_ids, run_with_kills, trained_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,17 +45,10 @@ def kill_plan(seed: int, steps: int) -> list[tuple[str, int]]:
 def test_random_kills_of_every_kind_of_process_train_each_sample_once(tmp_path, seed):
     run_dir = tmp_path / "chaos"
     steps = 30
-    # Checkpoints every 5 steps bound what a lost bus shard costs (every role restarts there).
+    # Checkpoints every 5 steps bound what a lost bus shard costs (the trainer resumes there).
     args = [*SHORT, f"trainer.steps={steps}", "trainer.checkpoint_every=5"]
     plan = kill_plan(seed, steps)
-    proc = start(args, run_dir)
-    try:
-        for name, step in plan:
-            kill_role(proc, run_dir, name, step)  # roles and services alike
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    run_with_kills(args, run_dir, plan)  # roles and services alike
 
     summary = json.loads((run_dir / "summary.json").read_text())
     kills = Counter(name for name, _ in plan)
@@ -82,6 +68,35 @@ def test_random_kills_of_every_kind_of_process_train_each_sample_once(tmp_path, 
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert {e["role"] for e in events} >= set(kills)
-    recovered = [e for e in events if e["role"] == "bus#0" and e["failure"] == "recovered"]
-    assert len(recovered) == kills["bus#0"]
+    # A lost shard is rebuilt in place: the other roles keep running (no restart of every role).
+    rebuilt = [e for e in events if e["role"] == "bus#0" and "rebuilt in place" in e["action"]]
+    assert len(rebuilt) == kills["bus#0"], [e for e in events if e["role"] == "bus#0"]
+    assert not any(e["failure"] == "recovered" for e in events), "every role was restarted"
     assert any("published version" in e["action"] for e in events if e["role"] == "weights")
+
+
+def test_each_of_two_bus_shards_lost_is_rebuilt_in_place_and_keeps_the_other_shards_rows(
+    tmp_path,
+):
+    """Two shards, each SIGKILLed once: each is rebuilt from the data while the other keeps its
+    rows (fewer rows are re-added than the rebuilt batches hold), no role but the trainer and
+    the feeder restarts, and every sample is trained exactly once."""
+    run_dir = tmp_path / "shards"
+    steps = 16
+    args = [*SHORT, f"trainer.steps={steps}", "trainer.checkpoint_every=4"]
+    run_with_kills([*args, "runtime.ray.bus_shards=2"], run_dir, [("bus#1", 5), ("bus#0", 10)])
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["role_restarts"] == {"bus#1": 1, "bus#0": 1}
+    trained = trained_ids(run_dir)
+    assert max(trained.values()) == 1, "a sample was trained twice"
+    dropped = sum(summary["num_samples_dropped"].values())
+    assert len(trained) + dropped == len(all_ids(steps, 32, 8)), "samples were lost"
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["role"] for e in events] == ["bus#1", "bus#0"], events
+    for event in events:
+        found = re.search(r"(\d+) rows of batches (\d+)\.\.(\d+) re-added", event["action"])
+        assert found, event
+        rows, first, last = map(int, found.groups())
+        assert 0 < rows < (last - first + 1) * 32 * 8, event  # the other shard kept its rows

@@ -72,6 +72,19 @@ def kill_if_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
     return kill_job_process(proc.pid, pid)
 
 
+def run_with_kills(args: list[str], run_dir: Path, kills: list[tuple[str, int]]) -> str:
+    """`streamrl train args`, SIGKILLing each (process, step) of `kills` in turn (each waits for
+    its predecessor's successor); returns the run's output once it finished on its own."""
+    proc = start(args, run_dir)
+    try:
+        for name, step in kills:
+            kill_role(proc, run_dir, name, step)
+        return finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def finish(proc: subprocess.Popen) -> str:
     try:
         out, _ = proc.communicate(timeout=1200)
@@ -106,15 +119,9 @@ def all_ids(steps: int, prompts: int, group: int) -> set[str]:
 
 def test_rollout_and_reward_killed_three_times_each(tmp_path):
     run_dir = tmp_path / "faults"
-    proc = start(["run.progress=false", "run.tensorboard=false"], run_dir)
-    try:
-        for role, step in [("rollout", 8), ("reward", 16), ("rollout", 30),
-                           ("reward", 42), ("rollout", 56), ("reward", 70)]:  # fmt: skip
-            kill_role(proc, run_dir, role, step)
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    kills = [("rollout", 8), ("reward", 16), ("rollout", 30),
+             ("reward", 42), ("rollout", 56), ("reward", 70)]  # fmt: skip
+    run_with_kills(["run.progress=false", "run.tensorboard=false"], run_dir, kills)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["role_restarts"] == {"rollout": 3, "reward": 3}
@@ -188,13 +195,7 @@ def test_critic_killed_between_saves_loses_no_training(tmp_path, quick_cache):
         "trainer.eval_every=0",
         "trainer.checkpoint_every=4",
     ]
-    proc = start(args, run_dir)
-    try:
-        kill_role(proc, run_dir, "critic", at_step=10)
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    run_with_kills(args, run_dir, [("critic", 10)])
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["role_restarts"] == {"critic": 1}
