@@ -136,17 +136,16 @@ class BusShard:
 
     @_after_restore
     def keeper(self, node_id: str) -> ray.actor.ActorHandle:
-        """The ``PayloadKeeper`` of node ``node_id``, started on first use. This actor owns it,
-        so it lives exactly as long as the bus."""
+        """The ``PayloadKeeper`` of node ``node_id``, started on first use and stopped by
+        ``close``, so it lives exactly as long as the bus. This actor owns it, unless the bus
+        is restartable: then it is a named, detached actor a restarted shard 0 finds again."""
         with self._keepers_lock:
             if node_id not in self._keepers:
                 strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-                named = (
-                    {"name": self._keeper_name(node_id), "get_if_exists": True}
-                    | {"lifetime": "detached"}  # a restarted shard 0 finds its predecessor's
-                    if self._bus_id
-                    else {}
-                )
+                named = {}
+                if self._bus_id:
+                    name = self._keeper_name(node_id)
+                    named = {"name": name, "get_if_exists": True, "lifetime": "detached"}
                 self._keepers[node_id] = _RemoteKeeper.options(
                     num_cpus=0, scheduling_strategy=strategy, **named
                 ).remote()
