@@ -166,6 +166,9 @@ class RayBus:
         self._on_all("register_consumer", name)
 
     def add_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self._add_rows(rows, check_capacity=True)
+
+    def _add_rows(self, rows: Sequence[Mapping[str, Any]], *, check_capacity: bool) -> None:
         rows = [dict(row) for row in rows]
         stored = self._store({i: row.get("fields") or {} for i, row in enumerate(rows)})
         summaries: dict[str, dict[str, Any]] = {}
@@ -174,7 +177,7 @@ class RayBus:
             if fields and "sample_id" in row:
                 summaries[row["sample_id"]] = samplers.summarize(fields)
             row["fields"] = stored[i]
-        if self.num_shards == 1:
+        if self.num_shards == 1 and check_capacity:  # the shard checks and adds by itself
             self._on({0: (rows, summaries)}, "add_rows")
             return
         rows_by_shard: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
@@ -184,7 +187,8 @@ class RayBus:
             rows_by_shard[k].append((pos, row))
             if row.get("sample_id") in summaries:
                 summaries_by_shard[k][row["sample_id"]] = summaries[row["sample_id"]]
-        self._on({0: (dict(rows_by_shard), dict(summaries_by_shard))}, "add_rows_sharded")
+        calls = {0: (dict(rows_by_shard), dict(summaries_by_shard), check_capacity)}
+        self._on(calls, "add_rows_sharded")
         self._remember((row["sample_id"], row["group_id"]) for row in rows)
 
     def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
@@ -358,18 +362,8 @@ class RayBus:
     def restore_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """``add_rows`` for rows that were live when their shard was lost: the capacity is not
         checked (they held their room before), ids live or consumed elsewhere are skipped."""
-        rows = [dict(row) for row in rows]
-        if not rows:
-            return
-        stored = self._store({i: row.get("fields") or {} for i, row in enumerate(rows)})
-        rows_by_shard: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
-        summaries_by_shard: dict[int, dict[str, Any]] = defaultdict(dict)
-        for pos, row in enumerate(rows):
-            k = self.shard_of(row.get("group_id"))
-            if row.get("fields") and "sample_id" in row:
-                summaries_by_shard[k][row["sample_id"]] = samplers.summarize(row["fields"])
-            rows_by_shard[k].append((pos, {**row, "fields": stored[pos]}))
-        self._on({0: (dict(rows_by_shard), dict(summaries_by_shard), False)}, "add_rows_sharded")
+        if rows:
+            self._add_rows(rows, check_capacity=False)
 
     def shard_of(self, group_id: Any) -> int:
         """The shard that holds (or would hold) the rows of group ``group_id``."""
