@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
+| loss_mask, episode | rollout (agent runs only) | 1 on model-sampled tokens, 0 on tool / environment / template tokens; the episode's outcome (final answer, status, turns, tool calls, workflow reward) |
 | reward, reward_status, reward_reason, reward_components | reward | float or None; ok / invalid_output / timeout / infra_error; text; {name: float} (logged only) |
 | ref_logprobs | reference | per-token log-probs under the reference model |
 | old_logprobs, old_version | logp (pi_old) | per-token log-probs under the newest published policy; its version |
@@ -19,6 +20,8 @@ RESPONSE_IDS = "response_ids"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 VERSIONS = "versions"
 FINISH_REASON = "finish_reason"
+LOSS_MASK = "loss_mask"
+EPISODE = "episode"
 REWARD = "reward"
 REWARD_STATUS = "reward_status"
 REWARD_REASON = "reward_reason"

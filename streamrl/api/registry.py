@@ -88,7 +88,8 @@ _ROLES: dict[str, RoleSpec] = {
         RoleSpec(
             "trainer", "streamrl.trainer.role:build", paces_run=True, description="optimizer steps"
         ),
-        RoleSpec("rollout", "streamrl.rollout.role:build", description="generation"),
+        # One response a prompt (`rollout/role.py`), or an agent run's episodes.
+        RoleSpec("rollout", "streamrl.agents.role:build", description="generation"),
         RoleSpec("reward", "streamrl.reward.role:build", torchless=True, bus_only=True),
         RoleSpec("advantage", "streamrl.trainer.advantage_role:build", bus_only=True),
         RoleSpec(

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from streamrl.config.agent_schema import AgentConfig
 from streamrl.config.presets import apply_preset
 from streamrl.config.runtime_schema import (  # noqa: F401 - re-exported: config.schema names every section
     SCALABLE_ROLES,
@@ -57,11 +58,19 @@ class WarmStartConfig(Section):
     """Warm-start learning rate (AdamW, cosine decay)."""
     teacher_forget_carry: float = Field(0.7, ge=0, le=1)
     """Fraction of warm-start answers in which the noisy teacher forgets every carry."""
+    teacher_tool_use: float = Field(0.6, ge=0, le=1)
+    """Calculator task: fraction of the teacher's answers that call the tool (the others are
+    guesses)."""
+    teacher_miscopy: float = Field(0.7, ge=0, le=1)
+    """Calculator task: fraction of the teacher's tool answers that copy the result without
+    its last digit."""
 
 
 class DataConfig(Section):
-    task: Literal["arith"] = "arith"
-    """Built-in task (used when `train_file` is not set)."""
+    task: Literal["arith", "calculator"] = "arith"
+    """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
+    solution) or `calculator` (products the model answers with a `calculate` tool; an agent
+    task, `examples/agent_calculator.yaml`)."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
@@ -609,6 +618,8 @@ class Config(Section):
     """Generation and staleness."""
     reward: RewardConfig = RewardConfig()
     """Scoring."""
+    agent: AgentConfig = AgentConfig()
+    """Multi-turn agent episodes with tools (off: one response a prompt)."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Advantages and loss."""
     critic: CriticConfig = CriticConfig()
@@ -635,6 +646,21 @@ class Config(Section):
             )
         if self.trainer.lora.rank:
             _check_lora(self)
+        if self.agent.enabled and self.algorithm.advantage.estimator == "gae":
+            raise ValueError(
+                "agent.enabled with algorithm.advantage.estimator=gae: the critic does not yet "
+                "skip tool-output tokens; use a critic-free estimator (grpo, rloo, reinforce_pp)"
+            )
+        if self.agent.enabled and self.agent.workflow == "env_loop" and not self.agent.environment:
+            raise ValueError(
+                "agent.workflow=env_loop needs agent.environment, the environment's class as "
+                "package.module:Name"
+            )
+        if self.agent.enabled and self.agent.workflow == "program" and not self.agent.program:
+            raise ValueError(
+                "agent.workflow=program needs agent.program, the command of the agent program "
+                "(e.g. agent.program='[python, examples/agent_openai.py]')"
+            )
         if self.model.hidden_size % self.model.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.model.hidden_size}) must be a multiple of "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from streamrl.data import arith
+from streamrl.data import arith, calculator
 from streamrl.data.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,13 @@ def rows_digest(rows: list[PromptRow]) -> str:
     return h.hexdigest()[:16]
 
 
-def builtin_rows(num: int, *, digits: int, seed: int, split: str) -> list[PromptRow]:
+def builtin_rows(
+    num: int, *, digits: int, seed: int, split: str, task: str = "arith"
+) -> list[PromptRow]:
+    """`num` rows of the built-in task `task` (`arith` or `calculator`)."""
+    if task == "calculator":
+        products = calculator.sample_products(num, digits=digits, seed=seed, split=split)
+        return [PromptRow(p.prompt, p.answer) for p in products]
     return [
         PromptRow(p.prompt, p.answer)
         for p in arith.sample_problems(num, digits=digits, seed=seed, split=split)

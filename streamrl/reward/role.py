@@ -27,4 +27,5 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> RewardRole:
         invalid_penalty=cfg.reward.invalid_output_penalty,
         max_rows=rows_per_batch(cfg),
         lease_s=cfg.runtime.lease_s,
+        episodes=cfg.agent.enabled,
     )

@@ -21,3 +21,12 @@ def arith_exact_match(response: str, answer: str, **_: object) -> RewardResult:
     if not sep or not _INTEGER.fullmatch(final):
         return RewardResult.invalid(f"no ':<integer>' answer at the end of {response[-30:]!r}")
     return RewardResult.ok(1.0 if int(final) == int(answer) else 0.0)
+
+
+def integer_match(response: str, answer: str, **_: object) -> RewardResult:
+    """1.0 when the whole response is the answer as an integer (the calculator agent task's
+    final answer), 0.0 for another integer, `invalid_output` when it is not an integer."""
+    final = response.strip()
+    if not _INTEGER.fullmatch(final):
+        return RewardResult.invalid(f"the answer is not an integer: {final[-30:]!r}")
+    return RewardResult.ok(1.0 if int(final) == int(answer) else 0.0)

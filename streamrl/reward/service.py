@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from streamrl.api import fields as F
+from streamrl.api.reward import RewardResult
 from streamrl.bus.transform import TransformRole
 from streamrl.reward.sandbox import ScoreTask
 
@@ -32,6 +33,9 @@ def score_rows(
         prompts = tokenizer.batch_decode(
             [list(r[F.PROMPT_IDS]) for r in rows], skip_special_tokens=True
         )
+    episodes = [r.get(F.EPISODE) for r in rows]
+    # An agent episode's reward scores its final answer, not the whole transcript.
+    texts = [e["final_text"] if e else text for e, text in zip(episodes, texts, strict=True)]
     tasks = [
         ScoreTask(
             text,
@@ -43,7 +47,11 @@ def score_rows(
         for text, prompt, response_ids, r in zip(texts, prompts, ids, rows, strict=True)
     ]
     updates = {}
-    for row, result in zip(rows, scorer.score(tasks), strict=True):
+    scored = [i for i, e in enumerate(episodes) if e is None or _scored_by_function(e)]
+    results = [episode_result(e) for e in episodes]
+    for i, result in zip(scored, scorer.score([tasks[i] for i in scored]), strict=True):
+        results[i] = result
+    for row, result in zip(rows, results, strict=True):
         value = result.value
         if result.status == "invalid_output":
             value = invalid_penalty
@@ -54,6 +62,22 @@ def score_rows(
             F.REWARD_COMPONENTS: dict(result.components),
         }
     return updates
+
+
+def _scored_by_function(episode: Mapping[str, Any]) -> bool:
+    return episode["status"] == "ok" and episode.get("reward") is None
+
+
+def episode_result(episode: Mapping[str, Any] | None) -> RewardResult | None:
+    """An agent episode's reward where the reward function is not asked: the workflow's own
+    reward (with its per-turn rewards as a component), or the status of an episode that could
+    not finish (timeout, infra_error: dropped and counted, never 0). None: score it."""
+    if episode is None or _scored_by_function(episode):
+        return None
+    if episode["status"] != "ok":
+        return RewardResult(None, episode["status"], episode.get("reason") or "")
+    components = {"turn_rewards": float(sum(episode.get("turn_rewards") or []))}
+    return RewardResult(float(episode["reward"]), "ok", "", components)
 
 
 class RewardRole(TransformRole):
@@ -70,10 +94,13 @@ class RewardRole(TransformRole):
         invalid_penalty: float | None,
         max_rows: int,
         lease_s: float,
+        episodes: bool = False,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         if getattr(scorer, "batched", False):
             self.consumes = (*type(self).consumes, F.PROMPT_IDS)
+        if episodes:  # an agent run: each row's episode outcome (`episode_result`)
+            self.consumes = (*self.consumes, F.EPISODE)
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.invalid_penalty = invalid_penalty

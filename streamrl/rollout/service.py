@@ -73,6 +73,9 @@ def result_fields(result: GenerationResult) -> dict[str, Any]:
 
 
 class RolloutRole(RoleBase):
+    claims: tuple[str, ...] = (F.PROMPT_IDS,)
+    """Fields a claimed row must have (the prompt; an agent's episode also reads the answer)."""
+
     def __init__(
         self,
         bus,
@@ -144,7 +147,7 @@ class RolloutRole(RoleBase):
         newest_allowed = self.engine.version + self.max_staleness
         lease = self.bus.claim(
             CONSUMER,
-            [F.PROMPT_IDS],
+            self.claims,
             self.max_rows,
             sampler="fifo",
             where={"batch_index": ("<=", newest_allowed)},
@@ -160,34 +163,32 @@ class RolloutRole(RoleBase):
         start = time.perf_counter()
         self.claim_s += start - claim_started
 
-        finished: list[GenerationResult] = []
+        finished: dict[str, dict[str, Any]] = {}
 
-        def take() -> dict[str, dict[str, Any]]:
-            updates = {r.request_id: result_fields(r) for r in finished}
-            self.num_tokens += sum(len(r.response_ids) for r in finished)
-            self.num_samples += len(finished)
-            finished.clear()
-            return updates
-
-        def flush() -> None:
-            self.bus.write(take())
-
-        def on_finished(results: list[GenerationResult]) -> None:
+        def emit(updates: Mapping[str, dict[str, Any]]) -> None:
             # Stream finished samples out in chunks: early enough for the next roles, few
             # enough bus calls to stay cheap.
-            finished.extend(results)
+            finished.update(updates)
+            self.num_tokens += sum(len(u[F.RESPONSE_IDS]) for u in updates.values())
+            self.num_samples += len(updates)
             if len(finished) >= self.flush_rows:
-                flush()
+                self.bus.write(dict(finished))
+                finished.clear()
 
-        self.engine.generate(
-            to_requests(lease.rows),
-            self.params,
-            on_finished=on_finished,
-            weight_poll=self.poll_inflight if self.inflight_updates else None,
-        )
-        self.bus.ack(lease.lease_id, writes=take() if finished else None)  # the last chunk too
+        self.generate_rows(lease.rows, emit)
+        self.bus.ack(lease.lease_id, writes=dict(finished) if finished else None)  # the last chunk
         self.busy_s += time.perf_counter() - start
         return True
+
+    def generate_rows(self, rows, emit) -> None:
+        """Generate the claimed `rows`, handing `emit` each finished sample's fields as soon as
+        it is done ({sample_id: fields})."""
+        self.engine.generate(
+            to_requests(rows),
+            self.params,
+            on_finished=lambda results: emit({r.request_id: result_fields(r) for r in results}),
+            weight_poll=self.poll_inflight if self.inflight_updates else None,
+        )
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {

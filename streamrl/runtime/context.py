@@ -46,7 +46,7 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
         report = load_rows(d.train_file, d.prompt_key, d.answer_key)
         train, skipped = report.rows, report.num_skipped
     else:
-        train = builtin_rows(5_000, digits=d.digits, seed=d.seed, split="train")
+        train = builtin_rows(5_000, digits=d.digits, seed=d.seed, split="train", task=d.task)
     if d.eval_file:
         report = load_rows(d.eval_file, d.prompt_key, d.answer_key)
         evals, skipped = report.rows[: d.num_eval], skipped + report.num_skipped
@@ -59,7 +59,7 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
             d.train_file,
         )
     else:
-        evals = builtin_rows(d.num_eval, digits=d.digits, seed=d.seed, split="eval")
+        evals = builtin_rows(d.num_eval, digits=d.digits, seed=d.seed, split="eval", task=d.task)
     train, evals = (
         format_prompts(rows, template=d.prompt_template, system=d.system_prompt)
         for rows in (train, evals)

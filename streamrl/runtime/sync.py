@@ -49,6 +49,12 @@ def run_sync(
     with building("rollout"):
         engine = make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
+    agents = None
+    if cfg.agent.enabled:
+        from streamrl.agents.role import task_of
+        from streamrl.agents.runner import AgentRunner
+
+        agents = AgentRunner(engine, tokenizer, cfg.agent, max_batch=cfg.rollout.max_batch_size)
     with building("reward"):
         scorer = make_scorer(ctx)
     # A LoRA trainer scores the reference log-probs itself, its adapters off (trainer/lora.py).
@@ -78,8 +84,12 @@ def run_sync(
             {"sample_id": r["sample_id"], "group_id": r["group_id"], **r["fields"]}
             for r in feeder.batch(step, round_index)
         ]
-        for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
-            row.update(result_fields(result))
+        if agents is not None:  # multi-turn episodes, as the agent rollout role runs them
+            for row, done in zip(rows, agents.run([task_of(r) for r in rows], params), strict=True):
+                row.update(done.fields())
+        else:
+            for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
+                row.update(result_fields(result))
         rollout_s += time.perf_counter() - started
         _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
         if reference is not None:

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.api.engine import GenerationRequest, SamplingParams
+from streamrl.agents.episode import Task
+from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.reward import RewardResult
 from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
@@ -23,12 +24,13 @@ from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.role import make_scorer
 from streamrl.reward.sandbox import ScoreTask
+from streamrl.reward.service import episode_result
 from streamrl.rollout.engines import builtin_engine
 
 log = logging.getLogger(__name__)
 
 # Results that are not a score of the response (an invalid output is one: not correct).
-UNSCORED = ("timeout", "infra_error")
+UNSCORED = ("timeout", "infra_error", "turn_timeout", "rewritten")
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,24 @@ class HeldOut:
     max_new_tokens: int
     correct_at: float = 1.0
     """The reward at which an answer counts as correct (`is_correct`)."""
+    agents: Any = None
+    """An agent run's `AgentRunner` over `engine`: each prompt is an episode, and its final
+    answer (or its status, when it could not finish) is what is scored."""
+
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Any]:
+        if self.agents is None:
+            return self.engine.generate(requests, params)
+        tasks = [
+            Task(r.request_id, r.prompt_ids, row.answer, row.extra)
+            for r, row in zip(requests, self.rows, strict=True)
+        ]
+        return [episode_answer(done) for done in self.agents.run(tasks, params)]
 
     def greedy(self) -> EvalResult:
         """Greedy answers to every row, scored."""
         requests = [GenerationRequest(f"eval-{i}", ids) for i, ids in enumerate(self.prompt_ids)]
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
-        tasks, scores, hit = self._scored(self.engine.generate(requests, params))
+        tasks, scores, hit = self._scored(self._generate(requests, params))
         failed = [s for s in scores if s.status in UNSCORED]
         return EvalResult(
             accuracy=sum(hit) / max(len(self.rows), 1),
@@ -172,7 +186,7 @@ class HeldOut:
             requests = [
                 GenerationRequest(f"eval-{i}-{k}", ids) for i, ids in enumerate(self.prompt_ids)
             ]
-            _, scores, hit = self._scored(self.engine.generate(requests, params))
+            _, scores, hit = self._scored(self._generate(requests, params))
             correct = [c + h for c, h in zip(correct, hit, strict=True)]
             failed += [s for s in scores if s.status in UNSCORED]
             advance(1)
@@ -188,15 +202,43 @@ class HeldOut:
         """(tasks, scores, hit) of one response per row; hit: correct (`is_correct`)."""
         tasks = [
             ScoreTask(
-                self.tokenizer.decode(res.response_ids, skip_special_tokens=True),
+                res.extra.get("final_text")
+                if "final_text" in res.extra
+                else self.tokenizer.decode(res.response_ids, skip_special_tokens=True),
                 row.answer,
                 row.extra,
             )
             for row, res in zip(self.rows, results, strict=True)
         ]
-        scores = self.scorer.score(tasks)
+        given = [episode_result(res.extra.get("episode")) for res in results]
+        asked = [i for i, result in enumerate(given) if result is None]
+        scores = list(given)
+        for i, score in zip(asked, self.scorer.score([tasks[i] for i in asked]), strict=True):
+            scores[i] = score
         hit = [is_correct(s, self.correct_at) for s in scores]
         return tasks, scores, hit
+
+
+def episode_answer(done) -> GenerationResult:
+    """An evaluated episode as a result: its final answer and outcome in `extra`."""
+    seg = done.client.ledger.current
+    return GenerationResult(
+        done.task.sample_id,
+        seg.ids,
+        seg.logprobs,
+        seg.versions,
+        done.client.finish_reason,
+        extra={"final_text": done.episode.final_text, "episode": done.outcome()},
+    )
+
+
+def agent_runner(ctx: RunContext, engine, tokenizer):
+    """The runner of held-out episodes in an agent run (None otherwise)."""
+    if not ctx.cfg.agent.enabled:
+        return None
+    from streamrl.agents.runner import AgentRunner
+
+    return AgentRunner(engine, tokenizer, ctx.cfg.agent, max_batch=ctx.cfg.rollout.max_batch_size)
 
 
 class Evaluator:
@@ -206,8 +248,9 @@ class Evaluator:
     def __init__(self, ctx: RunContext, model):
         tokenizer = policy_tokenizer(ctx)
         chat = ctx.cfg.data.chat_template
+        engine = builtin_engine(ctx, model)
         self.held_out = HeldOut(
-            engine=builtin_engine(ctx, model),
+            engine=engine,
             tokenizer=tokenizer,
             rows=ctx.eval_rows,
             prompt_ids=[
@@ -216,6 +259,7 @@ class Evaluator:
             scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
             max_new_tokens=ctx.cfg.rollout.max_new_tokens,
             correct_at=ctx.cfg.trainer.eval_correct_at,
+            agents=agent_runner(ctx, engine, tokenizer),
         )
         self.seed = ctx.cfg.run.seed
 

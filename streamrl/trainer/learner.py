@@ -287,7 +287,20 @@ def training_forward(
         )
     else:
         out = response_logprobs(model, batch, temperature, with_entropy=with_entropy)
-    return batch.response_mask_br, out
+    return loss_mask(batch.response_mask_br, rows), out
+
+
+def loss_mask(response_mask_br, rows: Sequence[Mapping[str, Any]]):
+    """The response mask, narrowed to the tokens the model sampled where a row says which (an
+    agent episode's `loss_mask`: tool output and template tokens are not trained)."""
+    if all(r.get("loss_mask") is None for r in rows):
+        return response_mask_br
+    mask_br = response_mask_br.clone()
+    for i, r in enumerate(rows):
+        if r.get("loss_mask") is not None:
+            sampled = torch.as_tensor(np.asarray(r["loss_mask"]), dtype=mask_br.dtype)
+            mask_br[i, : len(sampled)] *= sampled.to(mask_br.device)
+    return mask_br
 
 
 def detached_logprobs(model, rows: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[np.ndarray]:

@@ -73,6 +73,7 @@ LEARNER_FIELDS = (
     "prox_logprobs",
     "ref_logprobs",
     "versions",
+    "loss_mask",
 )
 _ACCUMULATE, _STEP, _WEIGHTS, _SAVE, _LOAD, _SET_VERSION, _STOP = range(7)
 OPTIMIZER_FORMAT = "fsdp-dcp"  # `optimizer_state_dict`'s marker: the state is in SHARDED_DIR

@@ -43,6 +43,8 @@ def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
         extra.append(F.REF_LOGPROBS)
     if a.off_policy.proximal == "pi_old":
         extra.append(F.OLD_LOGPROBS)
+    if cfg.agent.enabled:  # only the model's own tokens of an episode are trained
+        extra += [F.LOSS_MASK, F.EPISODE]  # (the episode: its metrics per step)
     return tuple(extra)
 
 

@@ -61,14 +61,30 @@ def samples_digest(rows: Sequence[Mapping[str, Any]]) -> str:
     return h.hexdigest()[:16]
 
 
+def num_trained_tokens(row: Mapping[str, Any]) -> int:
+    """Tokens of a row the loss covers: its response, or an episode's sampled tokens only."""
+    mask = row.get(F.LOSS_MASK)
+    return len(row[F.RESPONSE_IDS]) if mask is None else int(np.sum(mask))
+
+
 def component_means(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """`reward_components/<name>`: the mean of each named reward component over the rows whose
     reward reported it."""
+    return _means("reward_components", [r.get(F.REWARD_COMPONENTS) for r in rows])
+
+
+def episode_means(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """`episode/<name>`: the mean of each agent-episode metric (turns, tool_calls, tool_errors,
+    malformed_calls, sampled_tokens, splits, seconds) over the rows of agent episodes."""
+    return _means("episode", [(r.get(F.EPISODE) or {}).get("metrics") for r in rows])
+
+
+def _means(prefix: str, dicts: Sequence[Mapping[str, float] | None]) -> dict[str, float]:
     parts: dict[str, list[float]] = {}
-    for r in rows:
-        for name, value in (r.get(F.REWARD_COMPONENTS) or {}).items():
+    for values in dicts:
+        for name, value in (values or {}).items():
             parts.setdefault(name, []).append(float(value))
-    return {f"reward_components/{name}": sum(v) / len(v) for name, v in sorted(parts.items())}
+    return {f"{prefix}/{name}": sum(v) / len(v) for name, v in sorted(parts.items())}
 
 
 def is_zero(advantage: Any) -> bool:
@@ -158,7 +174,7 @@ class BatchTrainer:
                 continue
             self.trained_ids.append(r["sample_id"])
             if self.skip_zero_advantage and is_zero(r[F.ADVANTAGES]):
-                share = self.learner.settings.normaliser_share(len(r[F.RESPONSE_IDS]))
+                share = self.learner.settings.normaliser_share(num_trained_tokens(r))
                 skipped_tokens += share
                 if self.updates is not None:
                     gid = r["group_id"]
@@ -204,6 +220,7 @@ class BatchTrainer:
         reward = summarize(rewards)
         metrics.update({"reward/mean": reward["mean"], "reward/std": reward["std"]})
         metrics.update(component_means(rows))
+        metrics.update(episode_means(rows))
         metrics["response/length_mean"] = summarize(lengths)["mean"]
         metrics["response/tokens"] = sum(lengths)
         metrics["response/truncated_frac"] = sum(

@@ -16,11 +16,11 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from streamrl.config.schema import Config
-from streamrl.data import arith
+from streamrl.data import arith, calculator
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
@@ -28,16 +28,25 @@ from streamrl.models.tiny import build_tiny_model_dir
 log = logging.getLogger(__name__)
 
 
+# Teacher settings of the other built-in tasks, left out of a warm start's cache key.
+_OTHER_TASKS_TEACHER = {
+    "arith": {"teacher_tool_use", "teacher_miscopy"},
+    "calculator": {"teacher_forget_carry"},
+}
+
+
 def warm_start_key(cfg: Config) -> str:
     relevant = {
         # How the products are computed changes only their rounding, not what is trained; the
         # warm start trains and saves in fp32 whatever `model.dtype` the RL run loads it in.
         "model": {**cfg.model.model_dump(exclude={"onednn_linears"}), "dtype": "float32"},
-        "warm_start": cfg.warm_start.model_dump(),
+        "warm_start": cfg.warm_start.model_dump(exclude=_OTHER_TASKS_TEACHER[cfg.data.task]),
         "digits": cfg.data.digits,
         "seed": cfg.run.seed,
         "format": 4,
     }
+    if cfg.data.task != "arith":
+        relevant["task"] = cfg.data.task
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -99,24 +108,20 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     configure_linears(model, cfg.model.onednn_linears)
     model.train()
     rng = random.Random(cfg.run.seed)
-    problems = arith.sample_problems(
-        20_000, digits=cfg.data.digits, seed=cfg.run.seed + 1, split="train"
-    )
+    batches = teacher_batches(cfg, tokenizer, rng)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / ws.steps))
     )
     advance = progress("warm start (SFT on a noisy teacher)", ws.steps) if progress else None
     for _ in range(ws.steps):
-        batch = rng.sample(problems, ws.batch_size)
-        prompts = [encode_prompt(tokenizer, p.prompt) for p in batch]
-        targets = [
-            encode_response(tokenizer, arith.teacher_solution(p, rng, ws.teacher_forget_carry))
-            for p in batch
-        ]
+        prompts, targets, masks = zip(*next(batches), strict=True)
         packed = pack(prompts, targets, tokenizer.pad_token_id)
+        mask = packed.response_mask_br.clone()
+        for i, target_mask in enumerate(masks):  # tool output is shown, not imitated
+            mask[i, : len(target_mask)] *= torch.tensor(target_mask, dtype=mask.dtype)
         logp = response_logprobs(model, packed)
-        loss = -logp.sum() / packed.response_mask_br.sum()
+        loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -125,3 +130,53 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
         if advance:
             advance(1)
     model.save_pretrained(str(model_dir))
+
+
+Example = tuple[list[int], list[int], list[int]]
+
+
+def teacher_batches(cfg: Config, tokenizer, rng: random.Random) -> Iterator[list[Example]]:
+    """Endless batches of (prompt ids, target ids, target mask) of the noisy teacher of
+    `data.task`; the mask is 0 on tokens the model is shown but does not write (an agent's tool
+    output)."""
+    ws, seed, digits = cfg.warm_start, cfg.run.seed, cfg.data.digits
+    if cfg.data.task == "calculator":
+        products = calculator.sample_products(20_000, digits=digits, seed=seed + 1, split="train")
+        while True:
+            batch = []
+            for problem in rng.sample(products, ws.batch_size):
+                episode = calculator.teacher_episode(
+                    problem, rng, tool_use=ws.teacher_tool_use, miscopy=ws.teacher_miscopy
+                )
+                prompt = encode_prompt(tokenizer, problem.prompt)
+                batch.append((prompt, *episode_target(tokenizer, episode)))
+            yield batch
+    problems = arith.sample_problems(20_000, digits=digits, seed=seed + 1, split="train")
+    while True:
+        batch = []
+        for p in rng.sample(problems, ws.batch_size):
+            target = encode_response(
+                tokenizer, arith.teacher_solution(p, rng, ws.teacher_forget_carry)
+            )
+            batch.append((encode_prompt(tokenizer, p.prompt), target, [1] * len(target)))
+        yield batch
+
+
+def episode_target(tokenizer, episode: calculator.TeacherEpisode) -> tuple[list[int], list[int]]:
+    """The teacher's turns as the ledger of an episode holds them: its turns (mask 1) and the
+    tool's result rendered between them by the built-in chat format (mask 0)."""
+    from streamrl.agents.chat import ToolCall, chat_format
+
+    chat = chat_format("streamrl")
+    ids, mask = [], []
+    for k, turn in enumerate(episode.turns):
+        if k:
+            call = ToolCall("calculate", {}, "call_0")
+            shown = tokenizer(
+                chat.continuation([chat.tool_message(call, episode.tool_result or "")]),
+                add_special_tokens=False,
+            )["input_ids"]
+            ids, mask = ids + shown, mask + [0] * len(shown)
+        written = encode_response(tokenizer, turn)
+        ids, mask = ids + written, mask + [1] * len(written)
+    return ids, mask

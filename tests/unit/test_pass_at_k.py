@@ -4,12 +4,12 @@ against counting every k-subset)."""
 from __future__ import annotations
 
 from itertools import combinations
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from streamrl.api.engine import GenerationResult
 from streamrl.api.reward import RewardResult
 from streamrl.data.dataset import PromptRow
 from streamrl.trainer.evaluate import HeldOut, SampledResult, is_correct, pass_at_k, report_ks
@@ -80,7 +80,10 @@ def test_held_out_accuracy_counts_what_is_correct_and_lists_the_misses() -> None
     class Engine:  # answers prompt i with token i
         def generate(self, requests, params):
             assert params.temperature == 0.0
-            return [SimpleNamespace(response_ids=[i]) for i, _ in enumerate(requests)]
+            return [
+                GenerationResult(r.request_id, [i], [0.0], [0], "stop")
+                for i, r in enumerate(requests)
+            ]
 
     class Tokenizer:
         def decode(self, ids, skip_special_tokens):
