@@ -298,7 +298,7 @@ def loss_mask(response_mask_br, rows: Sequence[Mapping[str, Any]]):
     mask_br = response_mask_br.clone()
     for i, r in enumerate(rows):
         if r.get("loss_mask") is not None:
-            sampled = torch.as_tensor(np.asarray(r["loss_mask"]), dtype=mask_br.dtype)
+            sampled = torch.tensor(np.asarray(r["loss_mask"]), dtype=mask_br.dtype)  # a copy
             mask_br[i, : len(sampled)] *= sampled.to(mask_br.device)
     return mask_br
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 
 import pytest
 
 from tests.integration.conftest import QUICK, SHORT, read_jsonl, run_cli
 from tests.integration.test_faults import all_ids, run_with_kills, trained_ids
+from tests.integration.test_staleness_zero import assert_reproduces
 
 pytestmark = pytest.mark.integration
 
@@ -66,19 +66,9 @@ def _run(mode: str, run_dir, cache) -> tuple[list[dict], list[dict]]:
 
 
 def test_staleness_zero_multi_turn_reproduces_the_sync_loop(tmp_path, agent_cache) -> None:
-    sync_metrics, sync_samples = _run("sync", tmp_path / "sync", agent_cache)
+    sync_run = _run("sync", tmp_path / "sync", agent_cache)
     inline_metrics, inline_samples = _run("inline", tmp_path / "inline", agent_cache)
-
-    assert [s["digest"] for s in sync_samples] == [s["digest"] for s in inline_samples]
-    sync_loss = [m["train/loss"] for m in sync_metrics if "train/loss" in m]
-    inline_loss = [m["train/loss"] for m in inline_metrics if "train/loss" in m]
-    assert len(sync_loss) == len(inline_loss) == 3
-    for a, b in zip(sync_loss, inline_loss, strict=True):
-        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (sync_loss, inline_loss)
-    for m in inline_metrics:
-        if "train/loss" in m:
-            assert m["staleness/max"] == 0
-            assert m["train/logprob_mismatch"] <= 1e-3
+    assert_reproduces(sync_run, (inline_metrics, inline_samples), steps=3)
     # The episodes were multi-turn: some called the tool and were shown its result.
     for m in inline_metrics:
         if "train/loss" in m:

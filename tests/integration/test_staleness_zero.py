@@ -42,21 +42,24 @@ def sync_run(tmp_path_factory, quick_cache):
 
 @pytest.mark.parametrize("mode", ["inline", "threads"])
 def test_staleness_zero_reproduces_sync_loop(mode, sync_run, tmp_path, quick_cache):
-    sync_metrics, sync_samples = sync_run
     inline_metrics, inline_samples = _run(mode, tmp_path, quick_cache)
 
-    assert [s["digest"] for s in sync_samples] == [s["digest"] for s in inline_samples]
-    assert [sorted(s["ids"]) for s in sync_samples] == [sorted(s["ids"]) for s in inline_samples]
+    assert_reproduces(sync_run, (inline_metrics, inline_samples), steps=5)
 
+
+def assert_reproduces(sync_run, other_run, *, steps: int) -> None:
+    """The same samples (ids and tokens, every step) and the same losses as the sync loop, and
+    strict on-policy training: every token sampled by the weights being trained, the engine's
+    log-probs matching the trainer's recomputation on those identical weights."""
+    (sync_metrics, sync_samples), (metrics, samples) = sync_run, other_run
+    assert [s["digest"] for s in sync_samples] == [s["digest"] for s in samples]
+    assert [sorted(s["ids"]) for s in sync_samples] == [sorted(s["ids"]) for s in samples]
     sync_loss = [m["train/loss"] for m in sync_metrics if "train/loss" in m]
-    inline_loss = [m["train/loss"] for m in inline_metrics if "train/loss" in m]
-    assert len(sync_loss) == len(inline_loss) == 5
-    for a, b in zip(sync_loss, inline_loss, strict=True):
-        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (sync_loss, inline_loss)
-
-    # Strict on-policy: every token was sampled by the weights being trained, and the engine's
-    # log-probs match the trainer's recomputation on those identical weights.
-    for m in inline_metrics:
+    loss = [m["train/loss"] for m in metrics if "train/loss" in m]
+    assert len(sync_loss) == len(loss) == steps
+    for a, b in zip(sync_loss, loss, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (sync_loss, loss)
+    for m in metrics:
         if "train/loss" in m:
             assert m["staleness/max"] == 0
             assert m["train/logprob_mismatch"] <= 1e-3

@@ -440,7 +440,10 @@ def test_a_program_sees_its_task_but_not_the_answer_and_may_post_a_reward(tok, t
     assert env["STREAMRL_PROMPT"] == "12*34=" and env["STREAMRL_SAMPLE_ID"] == "s0"
     assert json.loads(env["STREAMRL_EXTRA"]) == {"level": 3}
     assert env["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")
-    assert not any("408" in value for value in env.values())  # the answer stays with the run
+    # The answer stays with the run. (Only what describes the task is checked: the port and the
+    # random key may hold "408" by chance.)
+    told = ("STREAMRL_PROMPT", "STREAMRL_SAMPLE_ID", "STREAMRL_EXTRA")
+    assert not any("408" in env[name] for name in told)
 
 
 def test_a_failing_program_drops_its_episode_with_its_stderr(tok) -> None:
@@ -463,7 +466,18 @@ def test_a_program_past_the_deadline_is_killed(tok, tmp_path) -> None:
     (done,) = runner.run([task(tok)], PARAMS)
     assert done.episode.status == "timeout" and time.monotonic() - started < 20
     for pid in map(int, pid_file.read_text().split()):  # the program and what it started
-        assert not _alive(pid), pid
+        # SIGKILL went to the whole group at the deadline; a process dies (and an orphan is
+        # reaped) a moment after the signal, later on a loaded machine.
+        assert wait_until(lambda pid=pid: not _alive(pid), 10.0), pid
+
+
+def wait_until(check, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _alive(pid: int) -> bool:
