@@ -105,6 +105,7 @@ class EpisodeClient:
         self.max_total_tokens = max_total_tokens
         self.num_turns = 0
         self.num_malformed_calls = 0
+        self.num_tool_calls = 0  # well-formed calls the model made (whoever ran them)
         self.finish_reason = "stop"
 
     @property
@@ -143,6 +144,7 @@ class EpisodeClient:
         text = self._tokenizer.decode(list(ids), skip_special_tokens=False)
         parsed = self.chat.parse(text, self.tools.schemas)
         self.num_malformed_calls += len(parsed.errors)
+        self.num_tool_calls += len(parsed.tool_calls)
         return Turn(text, parsed.content, parsed.tool_calls, parsed.errors, finish)
 
     def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
@@ -158,7 +160,7 @@ class EpisodeClient:
     def metrics(self) -> dict[str, float]:
         return {
             "turns": float(self.num_turns),
-            "tool_calls": float(self.tools.calls),
+            "tool_calls": float(self.num_tool_calls),
             "tool_errors": float(sum(self.tools.errors.values())),
             "malformed_calls": float(self.num_malformed_calls),
             "sampled_tokens": float(self.ledger.current.num_sampled),
