@@ -35,6 +35,7 @@ Parsing never raises on model output: each malformed call is one message in `Par
 
 from __future__ import annotations
 
+import abc
 import ast
 import json
 import keyword
@@ -121,7 +122,7 @@ _PREFIX: tuple[Message, ...] = (
 )
 
 
-class _Format:
+class _Format(abc.ABC):
     """What the formats share: continuation, parsing, OpenAI messages. Subclasses render and
     read one call body."""
 
@@ -130,10 +131,11 @@ class _Format:
     call_open: str  # the tags around one tool call in an assistant turn
     call_close: str
 
+    @abc.abstractmethod
     def render(
         self, messages: Sequence[Message], tools: Tools = None, *, add_generation_prompt: bool
     ) -> str:
-        raise NotImplementedError
+        """The whole conversation as text (`ChatFormat.render`)."""
 
     def continuation(self, new_messages: Sequence[Message], tools: Tools = None) -> str:
         new = _check_messages(new_messages)
@@ -196,8 +198,9 @@ class _Format:
     def _split_reasoning(self, text: str) -> tuple[str, str]:
         return "", text
 
+    @abc.abstractmethod
     def _parse_call(self, body: str, tools: Tools) -> tuple[str, dict[str, Any]]:
-        raise NotImplementedError
+        """(name, arguments) of one call's body; raises `_Malformed` saying what is wrong."""
 
 
 # --- the built-in format --------------------------------------------------------------------

@@ -36,7 +36,6 @@ token budget answers with finish_reason "length" and empty content.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import math
@@ -52,6 +51,7 @@ from aiohttp import web
 
 from streamrl.agents.episode import EpisodeClient, EpisodeLimit
 from streamrl.api.engine import SamplingParams
+from streamrl.weights.tcp import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -464,15 +464,6 @@ def _usage(reply: Reply) -> dict[str, int]:
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.json_response(RequestError(message, param, status=status).body(), status=status)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class EndpointServer:

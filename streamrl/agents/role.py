@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.agents.episode import Task
-from streamrl.agents.runner import AgentRunner, Finished
+from streamrl.agents.runner import AgentRunner, Finished, agent_runner
 from streamrl.api import fields as F
 from streamrl.api.run import RunContext
 from streamrl.models.loading import policy_tokenizer
@@ -93,7 +93,7 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> RolloutRole:
         bus,
         weights,
         engine,
-        AgentRunner(engine, policy_tokenizer(ctx), cfg.agent, max_batch=cfg.rollout.max_batch_size),
+        agent_runner(cfg, engine, policy_tokenizer(ctx)),
         params=sampling_params(cfg),
         max_staleness=cfg.rollout.max_staleness,
         max_rows=rows_per_claim(cfg),

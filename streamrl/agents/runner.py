@@ -34,6 +34,7 @@ from streamrl.api import fields as F
 from streamrl.api.engine import SamplingParams, WeightPoll
 from streamrl.api.registry import load
 from streamrl.config.agent_schema import AgentConfig
+from streamrl.config.schema import Config
 
 
 @dataclass
@@ -179,3 +180,11 @@ class AgentRunner:
         if on_finished is not None:
             on_finished(finished)
         return finished
+
+
+def agent_runner(cfg: Config, engine, tokenizer) -> AgentRunner | None:
+    """The run's runner of episodes over `engine` (the rollout's, the synchronous loop's or the
+    held-out evaluation's); None when `agent.enabled` is off."""
+    if not cfg.agent.enabled:
+        return None
+    return AgentRunner(engine, tokenizer, cfg.agent, max_batch=cfg.rollout.max_batch_size)

@@ -45,16 +45,26 @@ def sample_problems(
     num: int, *, digits: int, seed: int, split: str, eval_fraction: float = 0.1
 ) -> list[Problem]:
     """Draw `num` problems with operands of up to `digits` digits from the `train` or `eval` split."""
+    rng = random.Random(f"{seed}-{split}")
+    pairs = sample_pairs(
+        num, lo=0, hi=10**digits - 1, rng=rng, split=split, eval_fraction=eval_fraction
+    )
+    return [Problem(a, b) for a, b in pairs]
+
+
+def sample_pairs(
+    num: int, *, lo: int, hi: int, rng: random.Random, split: str, eval_fraction: float
+) -> list[tuple[int, int]]:
+    """`num` operand pairs in [lo, hi] drawn from `rng`, each of the `train` or `eval` split
+    (`is_eval_pair`) as `split` asks."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    rng = random.Random(f"{seed}-{split}")
-    hi = 10**digits - 1
-    out: list[Problem] = []
+    out: list[tuple[int, int]] = []
     want_eval = split == "eval"
     while len(out) < num:
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         if is_eval_pair(a, b, eval_fraction) == want_eval:
-            out.append(Problem(a, b))
+            out.append((a, b))
     return out
 
 

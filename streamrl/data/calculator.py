@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from streamrl.data.arith import is_eval_pair
+from streamrl.data.arith import sample_pairs
 
 
 @dataclass(frozen=True)
@@ -46,17 +46,11 @@ class Product:
 def sample_products(num: int, *, digits: int, seed: int, split: str) -> list[Product]:
     """`num` products of operands with 2 to `digits` digits, from the `train` or `eval` split
     (the held-out pairs are the addition task's: a deterministic hash of the pair)."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if digits < 2:
         raise ValueError(f"the calculator task needs data.digits >= 2, got {digits}")
     rng = random.Random(f"calculator-{seed}-{split}")
-    out: list[Product] = []
-    while len(out) < num:
-        a, b = rng.randint(10, 10**digits - 1), rng.randint(10, 10**digits - 1)
-        if is_eval_pair(a, b, 0.1) == (split == "eval"):
-            out.append(Product(a, b))
-    return out
+    pairs = sample_pairs(num, lo=10, hi=10**digits - 1, rng=rng, split=split, eval_fraction=0.1)
+    return [Product(a, b) for a, b in pairs]
 
 
 @dataclass(frozen=True)

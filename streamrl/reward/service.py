@@ -26,16 +26,19 @@ def score_rows(
     scorer, tokenizer, rows: Sequence[Mapping[str, Any]], invalid_penalty: float | None
 ) -> dict[str, dict[str, Any]]:
     ids = [list(r[F.RESPONSE_IDS]) for r in rows]
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    episodes = [r.get(F.EPISODE) for r in rows]
+    # An agent episode's reward scores its final answer, not the whole transcript.
+    # (An agent run's rows are all episodes: their transcripts are not decoded.)
+    decoded = (
+        [""] * len(rows) if all(episodes) else tokenizer.batch_decode(ids, skip_special_tokens=True)
+    )
+    texts = [e["final_text"] if e else text for e, text in zip(episodes, decoded, strict=True)]
     prompts: list[str | None] = [None] * len(rows)
     batched = getattr(scorer, "batched", False)  # a TRL-style reward takes prompts and ids
     if batched and all(r.get(F.PROMPT_IDS) is not None for r in rows):
         prompts = tokenizer.batch_decode(
             [list(r[F.PROMPT_IDS]) for r in rows], skip_special_tokens=True
         )
-    episodes = [r.get(F.EPISODE) for r in rows]
-    # An agent episode's reward scores its final answer, not the whole transcript.
-    texts = [e["final_text"] if e else text for e, text in zip(episodes, texts, strict=True)]
     tasks = [
         ScoreTask(
             text,
@@ -47,11 +50,7 @@ def score_rows(
         for text, prompt, response_ids, r in zip(texts, prompts, ids, rows, strict=True)
     ]
     updates = {}
-    scored = [i for i, e in enumerate(episodes) if e is None or _scored_by_function(e)]
-    results = [episode_result(e) for e in episodes]
-    for i, result in zip(scored, scorer.score([tasks[i] for i in scored]), strict=True):
-        results[i] = result
-    for row, result in zip(rows, results, strict=True):
+    for row, result in zip(rows, score_tasks(scorer, tasks, episodes), strict=True):
         value = result.value
         if result.status == "invalid_output":
             value = invalid_penalty
@@ -62,6 +61,18 @@ def score_rows(
             F.REWARD_COMPONENTS: dict(result.components),
         }
     return updates
+
+
+def score_tasks(
+    scorer, tasks: Sequence[ScoreTask], episodes: Sequence[Mapping[str, Any] | None]
+) -> list[RewardResult]:
+    """Each task's reward: an agent episode's own where it has one (`episode_result`), else the
+    scorer's, one call for all the others."""
+    results = [episode_result(e) for e in episodes]
+    asked = [i for i, result in enumerate(results) if result is None]
+    for i, result in zip(asked, scorer.score([tasks[i] for i in asked]), strict=True):
+        results[i] = result
+    return results
 
 
 def _scored_by_function(episode: Mapping[str, Any]) -> bool:

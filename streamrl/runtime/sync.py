@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from streamrl.agents.role import task_of
+from streamrl.agents.runner import agent_runner
 from streamrl.api import fields as F
 from streamrl.api.run import RunContext
 from streamrl.config.derived import batches_per_step
@@ -49,12 +51,7 @@ def run_sync(
     with building("rollout"):
         engine = make_engine(ctx)
     engine.load_weights(trainer.learner.version, trainer.learner.named_weights())
-    agents = None
-    if cfg.agent.enabled:
-        from streamrl.agents.role import task_of
-        from streamrl.agents.runner import AgentRunner
-
-        agents = AgentRunner(engine, tokenizer, cfg.agent, max_batch=cfg.rollout.max_batch_size)
+    agents = agent_runner(cfg, engine, tokenizer)  # None: one response a prompt
     with building("reward"):
         scorer = make_scorer(ctx)
     # A LoRA trainer scores the reference log-probs itself, its adapters off (trainer/lora.py).

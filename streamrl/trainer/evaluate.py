@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.agents.episode import Task
+from streamrl.agents.runner import agent_runner
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.reward import RewardResult
 from streamrl.api.run import RunContext
@@ -24,7 +25,7 @@ from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.role import make_scorer
 from streamrl.reward.sandbox import ScoreTask
-from streamrl.reward.service import episode_result
+from streamrl.reward.service import score_tasks
 from streamrl.rollout.engines import builtin_engine
 
 log = logging.getLogger(__name__)
@@ -200,27 +201,24 @@ class HeldOut:
 
     def _scored(self, results) -> tuple[list[ScoreTask], list[RewardResult], list[bool]]:
         """(tasks, scores, hit) of one response per row; hit: correct (`is_correct`)."""
+        episodes = [res.extra.get("episode") for res in results]
         tasks = [
             ScoreTask(
-                res.extra.get("final_text")
-                if "final_text" in res.extra
+                episode["final_text"]  # an agent episode's final answer, not its transcript
+                if episode
                 else self.tokenizer.decode(res.response_ids, skip_special_tokens=True),
                 row.answer,
                 row.extra,
             )
-            for row, res in zip(self.rows, results, strict=True)
+            for row, res, episode in zip(self.rows, results, episodes, strict=True)
         ]
-        given = [episode_result(res.extra.get("episode")) for res in results]
-        asked = [i for i, result in enumerate(given) if result is None]
-        scores = list(given)
-        for i, score in zip(asked, self.scorer.score([tasks[i] for i in asked]), strict=True):
-            scores[i] = score
+        scores = score_tasks(self.scorer, tasks, episodes)
         hit = [is_correct(s, self.correct_at) for s in scores]
         return tasks, scores, hit
 
 
 def episode_answer(done) -> GenerationResult:
-    """An evaluated episode as a result: its final answer and outcome in `extra`."""
+    """An evaluated episode as a result: its outcome (final answer, status) in `extra`."""
     seg = done.client.ledger.current
     return GenerationResult(
         done.task.sample_id,
@@ -228,17 +226,8 @@ def episode_answer(done) -> GenerationResult:
         seg.logprobs,
         seg.versions,
         done.client.finish_reason,
-        extra={"final_text": done.episode.final_text, "episode": done.outcome()},
+        extra={"episode": done.outcome()},
     )
-
-
-def agent_runner(ctx: RunContext, engine, tokenizer):
-    """The runner of held-out episodes in an agent run (None otherwise)."""
-    if not ctx.cfg.agent.enabled:
-        return None
-    from streamrl.agents.runner import AgentRunner
-
-    return AgentRunner(engine, tokenizer, ctx.cfg.agent, max_batch=ctx.cfg.rollout.max_batch_size)
 
 
 class Evaluator:
@@ -259,7 +248,7 @@ class Evaluator:
             scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
             max_new_tokens=ctx.cfg.rollout.max_new_tokens,
             correct_at=ctx.cfg.trainer.eval_correct_at,
-            agents=agent_runner(ctx, engine, tokenizer),
+            agents=agent_runner(ctx.cfg, engine, tokenizer),
         )
         self.seed = ctx.cfg.run.seed
 
