@@ -28,6 +28,17 @@ from hypothesis import settings
 # Not properly terminated", in whatever test runs then). Ray reads this when it is imported.
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
+# OpenMP threads sleep instead of spinning while they wait, in this process and in every process
+# it starts (the CLI runs, Ray's workers, vLLM's engine cores): set before anything loads torch's
+# OpenMP runtime, which reads it once. The two xdist workers each run two-thread torch processes
+# on two cores; with OpenMP's default spin-waiting each waiting thread burns the core the other
+# needs. Measured on the 2-core CI machine: two 200-step warm starts side by side took 365 s each
+# spinning, 47 s each with PASSIVE (one alone: 32 s spinning, 39 s PASSIVE); CI once timed out a
+# 20-minute job that takes 84 s on a quiet machine. The Makefile's test targets set it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" in sys.modules:  # too late for this process: its OpenMP runtime already read it
+    print("tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set", file=sys.stderr)
+
 _exit_status: int | None = None
 
 # No time limit on a property test's examples: the project's tests assert no timings (benchmarks

@@ -56,20 +56,33 @@ def run_cli(
     """Run `python -m streamrl.cli ARGS` to completion; fail the test with its output if it fails
     (unless `check_ok` is False: then the caller checks the outcome). `extra_env` adds to the
     environment."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *args],
-        cwd=REPO,
-        env={**cli_env(), **(extra_env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamrl.cli", *args],
+            cwd=REPO,
+            env={**cli_env(), **(extra_env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
+    except subprocess.TimeoutExpired as e:  # say where it was, not only that it ran out of time
+        pytest.fail(
+            f"streamrl {' '.join(args)} still ran after {timeout:.0f} s\n"
+            f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}"
+        )
     if check_ok and proc.returncode != 0:
         pytest.fail(
             f"streamrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def _text(output: bytes | str | None) -> str:
+    """A TimeoutExpired's captured output (bytes even with text=True), as text."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def learning_run(
