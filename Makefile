@@ -7,10 +7,6 @@ STAMP := $(VENV)/.installed
 ## integration tests wait on Ray start-up, restarts and leases. Each may run a whole Ray job
 ## (about 5 GiB at peak), so more only pays with more cores and memory.
 TEST_WORKERS ?= 2
-## The test processes run side by side, each starting torch processes of several threads: their
-## OpenMP threads sleep while they wait instead of spinning on the cores the others need
-## (tests/conftest.py says what spinning cost; it sets the same for a bare `pytest`).
-TEST_ENV := OMP_WAIT_POLICY=PASSIVE
 
 .PHONY: demo test test-fast test-vllm lint bench bench-vllm install install-vllm clean
 
@@ -46,12 +42,12 @@ demo: $(STAMP)
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
 	$(BIN)/lint-imports
-	$(TEST_ENV) STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 \
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 \
 		-n $(TEST_WORKERS) --dist worksteal tests
 
 ## Only the vLLM engine's tests (unit and integration; part of `make test`).
 test-vllm: $(VLLM_STAMP)
-	$(TEST_ENV) STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider \
+	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider \
 		tests/unit/test_vllm_engine.py tests/unit/test_balancer.py \
 		tests/contract/test_engine_contract.py tests/integration/test_vllm_engine.py
 
@@ -66,7 +62,7 @@ gpu-check-dry-run: $(VLLM_STAMP)
 	bash scripts/gpu_check.sh --cpu-dry-run
 
 test-fast: $(STAMP)
-	$(TEST_ENV) $(BIN)/pytest -q -m "not integration" tests
+	$(BIN)/pytest -q -m "not integration" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks

@@ -34,7 +34,7 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 # on two cores; with OpenMP's default spin-waiting each waiting thread burns the core the other
 # needs. Measured on the 2-core CI machine: two 200-step warm starts side by side took 365 s each
 # spinning, 47 s each with PASSIVE (one alone: 32 s spinning, 39 s PASSIVE); CI once timed out a
-# 20-minute job that takes 84 s on a quiet machine. The Makefile's test targets set it too.
+# 20-minute job that takes 84 s on a quiet machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if "torch" in sys.modules:  # too late for this process: its OpenMP runtime already read it
     print("tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set", file=sys.stderr)
