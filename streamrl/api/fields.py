@@ -5,6 +5,7 @@
 | prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
 | loss_mask, episode | rollout (agent runs only) | 1 on model-sampled tokens, 0 on tool / environment / template tokens; the episode's outcome (final answer, status, turns, tool calls, workflow reward) |
+| judge | judge (`reward.judge.enabled`) | {value: float or None, status, reason, verdict: the label or score read, reply: the judge's text} |
 | reward, reward_status, reward_reason, reward_components | reward | float or None; ok / invalid_output / timeout / infra_error; text; {name: float} (logged only) |
 | ref_logprobs | reference | per-token log-probs under the reference model |
 | old_logprobs, old_version | logp (pi_old) | per-token log-probs under the newest published policy; its version |
@@ -22,6 +23,7 @@ VERSIONS = "versions"
 FINISH_REASON = "finish_reason"
 LOSS_MASK = "loss_mask"
 EPISODE = "episode"
+JUDGE = "judge"
 REWARD = "reward"
 REWARD_STATUS = "reward_status"
 REWARD_REASON = "reward_reason"

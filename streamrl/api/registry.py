@@ -76,6 +76,10 @@ def _has_pi_old(cfg: Config) -> bool:
     return cfg.algorithm.off_policy.proximal == "pi_old"
 
 
+def _has_judge(cfg: Config) -> bool:
+    return cfg.reward.judge.enabled
+
+
 def _has_critic(cfg: Config) -> bool:
     return cfg.algorithm.advantage.estimator == "gae"
 
@@ -90,6 +94,8 @@ _ROLES: dict[str, RoleSpec] = {
         ),
         # One response a prompt (`rollout/role.py`), or an agent run's episodes.
         RoleSpec("rollout", "streamrl.agents.role:build", description="generation"),
+        # A generative reward model's verdicts, added into the reward (`reward.judge`).
+        RoleSpec("judge", "streamrl.judge.role:build", wanted=_has_judge, bus_only=True),
         RoleSpec("reward", "streamrl.reward.role:build", torchless=True, bus_only=True),
         RoleSpec("advantage", "streamrl.trainer.advantage_role:build", bus_only=True),
         RoleSpec(

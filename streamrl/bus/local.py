@@ -117,6 +117,9 @@ class LocalBus:
         self._freed: set[str] = set()
         self._groups: dict[str, _Group] = {}
         self._pending: dict[str, dict[str, _Row]] = {}  # consumer -> pending rows, oldest first
+        # Consumer -> the fields of its latest claim: `stats()["ready"]` counts the rows it
+        # could claim now (a role's queue depth).
+        self._claim_fields: dict[str, tuple[str, ...]] = {}
         self._leases: dict[str, _LeaseRecord] = {}
         self._closed_leases: OrderedDict[str, _LeaseRecord] = OrderedDict()
         self._counters = _new_counters()
@@ -225,6 +228,7 @@ class LocalBus:
         predicates = _where_predicates(where)
         deadline = time.monotonic() + wait_s
         with self._locked():
+            self._claim_fields[consumer] = fields
             lease = self._try_claim(
                 consumer, fields, max_rows, sampler, predicates, lease_s, sampler_options
             )
@@ -364,7 +368,19 @@ class LocalBus:
                 **{k: v for k, v in counters.items() if not isinstance(v, dict)},
                 "acked": dict(counters["acked"]),
                 "dropped": dict(counters["dropped"]),
+                "ready": {
+                    consumer: self._num_ready(consumer, fields)
+                    for consumer, fields in self._claim_fields.items()
+                },
             }
+
+    def _num_ready(self, consumer: str, fields: tuple[str, ...]) -> int:
+        """Rows `consumer` could claim now with `fields`, leased to it or not yet; the caller
+        holds the lock."""
+        return sum(
+            consumer not in row.leased_by and all(f in row.values for f in fields)
+            for row in self._pending.get(consumer, {}).values()
+        )
 
     def state_dict(self) -> dict[str, Any]:
         with self._locked():

@@ -25,7 +25,7 @@ class RolePlacement(Section):
     """Pin the role to the Ray node with this node id or IP address (None: anywhere)."""
 
 
-SCALABLE_ROLES = ("rollout", "reward", "reference", "logp")
+SCALABLE_ROLES = ("rollout", "reward", "judge", "reference", "logp")
 
 
 class RolesConfig(Section):
@@ -35,6 +35,8 @@ class RolesConfig(Section):
     """Placement of the rollout engines (several replicas share the work; see `streamrl scale`)."""
     reward: RolePlacement = RolePlacement()
     """Placement of the reward service."""
+    judge: RolePlacement = RolePlacement()
+    """Placement of the judge (when reward.judge.enabled): its engine's GPUs and CPUs."""
     reference: RolePlacement = RolePlacement()
     """Placement of the reference model (when algorithm.kl.coef > 0)."""
     logp: RolePlacement = RolePlacement()

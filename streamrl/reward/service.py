@@ -14,6 +14,8 @@ from typing import Any
 from streamrl.api import fields as F
 from streamrl.api.reward import RewardResult
 from streamrl.bus.transform import TransformRole
+from streamrl.reward.combine import Part, combine
+from streamrl.reward.judge import verdict_of
 from streamrl.reward.sandbox import ScoreTask
 
 CONSUMER = "reward"
@@ -23,8 +25,18 @@ log = logging.getLogger(__name__)
 
 
 def score_rows(
-    scorer, tokenizer, rows: Sequence[Mapping[str, Any]], invalid_penalty: float | None
+    scorer,
+    tokenizer,
+    rows: Sequence[Mapping[str, Any]],
+    invalid_penalty: float | None,
+    *,
+    remote=None,
+    remote_weight: float = 1.0,
+    judge_weight: float | None = None,
 ) -> dict[str, dict[str, Any]]:
+    """Each row's reward fields: the reward functions' result (`scorer`, None for none), the
+    `remote` service's and the judge's verdict (the rows' `judge` field, when `judge_weight`
+    is set), combined by `reward/combine.py`."""
     ids = [list(r[F.RESPONSE_IDS]) for r in rows]
     episodes = [r.get(F.EPISODE) for r in rows]
     # An agent episode's reward scores its final answer, not the whole transcript.
@@ -35,7 +47,7 @@ def score_rows(
     texts = [e["final_text"] if e else text for e, text in zip(episodes, decoded, strict=True)]
     prompts: list[str | None] = [None] * len(rows)
     batched = getattr(scorer, "batched", False)  # a TRL-style reward takes prompts and ids
-    if batched and all(r.get(F.PROMPT_IDS) is not None for r in rows):
+    if (batched or remote is not None) and all(r.get(F.PROMPT_IDS) is not None for r in rows):
         prompts = tokenizer.batch_decode(
             [list(r[F.PROMPT_IDS]) for r in rows], skip_special_tokens=True
         )
@@ -49,11 +61,26 @@ def score_rows(
         )
         for text, prompt, response_ids, r in zip(texts, prompts, ids, rows, strict=True)
     ]
+    parts: list[list[Part]] = [[] for _ in rows]
+    if scorer is not None:
+        for own, result in zip(parts, score_tasks(scorer, tasks, episodes), strict=True):
+            own.append(Part("function", 1.0, result))
+    else:  # an agent episode's own reward (or status) still counts
+        for own, episode in zip(parts, episodes, strict=True):
+            if (result := episode_result(episode)) is not None:
+                own.append(Part("function", 1.0, result))
+    if remote is not None:
+        for own, result in zip(parts, remote.score(tasks), strict=True):
+            own.append(Part(remote.name, remote_weight, result))
+    if judge_weight is not None:  # the judge's unreadable verdict is its fault: no penalty
+        for own, row in zip(parts, rows, strict=True):
+            own.append(Part("judge", judge_weight, verdict_of(row[F.JUDGE]), penalized=False))
     updates = {}
-    for row, result in zip(rows, score_tasks(scorer, tasks, episodes), strict=True):
-        value = result.value
+    for row, own in zip(rows, parts, strict=True):
+        combined = combine(own)
+        result, value = combined.result, combined.result.value
         if result.status == "invalid_output":
-            value = invalid_penalty
+            value = invalid_penalty if combined.penalized else None
         updates[row["sample_id"]] = {
             F.REWARD: value,
             F.REWARD_STATUS: result.status,
@@ -106,19 +133,35 @@ class RewardRole(TransformRole):
         max_rows: int,
         lease_s: float,
         episodes: bool = False,
+        remote=None,
+        remote_weight: float = 1.0,
+        judge_weight: float | None = None,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
-        if getattr(scorer, "batched", False):
+        if getattr(scorer, "batched", False) or remote is not None:
             self.consumes = (*type(self).consumes, F.PROMPT_IDS)
         if episodes:  # an agent run: each row's episode outcome (`episode_result`)
             self.consumes = (*self.consumes, F.EPISODE)
+        if judge_weight is not None:  # the judge role's verdict, added into the reward
+            self.consumes = (*self.consumes, F.JUDGE)
         self.scorer = scorer
+        self.remote = remote
+        self.remote_weight = remote_weight
+        self.judge_weight = judge_weight
         self.tokenizer = tokenizer
         self.invalid_penalty = invalid_penalty
         self._reported: set[tuple[str, str | None]] = set()
 
     def compute(self, rows):
-        updates = score_rows(self.scorer, self.tokenizer, rows, self.invalid_penalty)
+        updates = score_rows(
+            self.scorer,
+            self.tokenizer,
+            rows,
+            self.invalid_penalty,
+            remote=self.remote,
+            remote_weight=self.remote_weight,
+            judge_weight=self.judge_weight,
+        )
         for sample_id, values in updates.items():
             self._report(sample_id, values[F.REWARD_STATUS], values[F.REWARD_REASON])
         return updates
@@ -143,7 +186,10 @@ class RewardRole(TransformRole):
         )
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "restarts": self.scorer.num_restarts}
+        restarts = self.scorer.num_restarts if self.scorer is not None else 0
+        return {**super().stats(), "restarts": restarts}
 
     def close(self) -> None:
-        self.scorer.close()
+        for part in (self.scorer, self.remote):
+            if part is not None:
+                part.close()

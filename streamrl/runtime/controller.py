@@ -248,6 +248,7 @@ def _train(
                 enabled=cfg.run.progress,
             ) as advance:
                 policy_dir = ensure_policy_dir(cfg, progress=lambda _desc, _total: advance)
+        _ensure_judge(cfg)
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
         if resume is not None and checkpoint is None:
             log.warning("no checkpoint in %s: starting from step 0", run_dir)
@@ -424,6 +425,42 @@ def _run_mode(
     )
 
 
+def _ensure_judge(cfg) -> None:
+    """Build the built-in judge before any role starts (once: it is cached like the warm start)."""
+    judge = cfg.reward.judge
+    if not judge.enabled or judge.model is not None:
+        return
+    from streamrl.judge.role import judge_dir
+
+    if judge_dir(cfg, cached_only=True) is not None:
+        return
+    with phase(
+        "judge: SFT on right and wrong worked answers (cached for later runs)",
+        judge.build.steps,
+        enabled=cfg.run.progress,
+    ) as advance:
+        judge_dir(cfg, progress=lambda _desc, _total: advance)
+
+
+def _judge_summary(cfg, role_stats) -> dict[str, Any]:
+    """The judge's held-out verdict accuracy (the built-in judge's build measured it) and
+    throughput, for the summary."""
+    if not cfg.reward.judge.enabled:
+        return {}
+    from streamrl.judge.model import read_judge_eval
+    from streamrl.judge.role import judge_dir
+
+    model_dir = judge_dir(cfg)
+    measured = read_judge_eval(model_dir) or {}
+    judge = role_stats.get("judge", {})
+    busy, judged = judge.get("busy_s"), judge.get("judged")
+    return {
+        "judge_model_dir": str(model_dir),
+        "judge_verdict_accuracy": measured.get("verdict_accuracy"),
+        "judge_samples_per_s": judged / busy if busy and judged else None,
+    }
+
+
 def _summary(
     cfg, run_dir, sink: RecordSink, role_stats, started, rl_wall, peak_bytes, start_step, ctx
 ) -> dict[str, Any]:
@@ -466,4 +503,5 @@ def _summary(
         "trainer_restarts": role_stats.get("trainer_restarts", 0),
         # The trained policy as a Hugging Face directory (model, tokenizer, chat template).
         "final_model_dir": str(model) if (model := latest_model_dir(run_dir)) else None,
+        **_judge_summary(cfg, role_stats),
     }

@@ -22,7 +22,7 @@ from streamrl.critic.role import make_critic
 from streamrl.data.role import make_feeder
 from streamrl.models.loading import load_policy_model, policy_tokenizer
 from streamrl.reference.service import reference_fields
-from streamrl.reward.role import make_scorer
+from streamrl.reward.role import make_scorer, reward_sources
 from streamrl.reward.service import score_rows
 from streamrl.rollout.engines import make_engine, sampling_params
 from streamrl.rollout.service import result_fields, to_requests
@@ -54,6 +54,13 @@ def run_sync(
     agents = agent_runner(cfg, engine, tokenizer)  # None: one response a prompt
     with building("reward"):
         scorer = make_scorer(ctx)
+        sources = reward_sources(ctx)
+    judge = None
+    if cfg.reward.judge.enabled:
+        from streamrl.judge.role import judge_fields, make_judge
+
+        with building("judge"):
+            judge = make_judge(ctx)
     # A LoRA trainer scores the reference log-probs itself, its adapters off (trainer/lora.py).
     has_reference = cfg.algorithm.kl.coef > 0 and not cfg.trainer.lora.rank
     reference = load_policy_model(ctx) if has_reference else None
@@ -88,7 +95,10 @@ def run_sync(
             for row, result in zip(rows, engine.generate(to_requests(rows), params), strict=True):
                 row.update(result_fields(result))
         rollout_s += time.perf_counter() - started
-        _merge(rows, score_rows(scorer, tokenizer, rows, cfg.reward.invalid_output_penalty))
+        if judge is not None:
+            _merge(rows, judge_fields(judge, rows, tokenizer))
+        penalty = cfg.reward.invalid_output_penalty
+        _merge(rows, score_rows(scorer, tokenizer, rows, penalty, **sources))
         if reference is not None:
             _merge(
                 rows,
@@ -141,7 +151,9 @@ def run_sync(
             if hooks.stopped:  # `streamrl stop RUN_DIR`
                 break
     finally:
-        scorer.close()
+        for part in (scorer, sources["remote"], judge):
+            if part is not None:
+                part.close()
         trainer.learner.close()
     return {"rollout": {"busy_s": rollout_s}, "train_wall_s": time.perf_counter() - loop_started}
 

@@ -23,7 +23,7 @@ from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
 from streamrl.models.loading import policy_tokenizer
-from streamrl.reward.role import make_scorer
+from streamrl.reward.role import make_eval_scorer
 from streamrl.reward.sandbox import ScoreTask
 from streamrl.reward.service import score_tasks
 from streamrl.rollout.engines import builtin_engine
@@ -245,7 +245,7 @@ class Evaluator:
             prompt_ids=[
                 encode_prompt(tokenizer, r.prompt, chat_template=chat) for r in ctx.eval_rows
             ],
-            scorer=make_scorer(ctx),  # its worker process starts at the first evaluation
+            scorer=make_eval_scorer(ctx),  # its worker process starts at the first evaluation
             max_new_tokens=ctx.cfg.rollout.max_new_tokens,
             correct_at=ctx.cfg.trainer.eval_correct_at,
             agents=agent_runner(ctx.cfg, engine, tokenizer),

@@ -99,7 +99,6 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     import torch  # here: a run whose warm start is cached never needs it in the driver
 
     from streamrl.models.onednn import configure_linears
-    from streamrl.trainer.logprobs import pack, response_logprobs
 
     ws = cfg.warm_start
     torch.manual_seed(cfg.run.seed)
@@ -109,14 +108,43 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     model.train()
     rng = random.Random(cfg.run.seed)
     batches = teacher_batches(cfg, tokenizer, rng)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / ws.steps))
-    )
     advance = progress("warm start (SFT on a noisy teacher)", ws.steps) if progress else None
-    for _ in range(ws.steps):
+    train_supervised(
+        model,
+        batches,
+        steps=ws.steps,
+        lr=ws.lr,
+        pad_token_id=tokenizer.pad_token_id,
+        advance=advance,
+    )
+    model.save_pretrained(str(model_dir))
+
+
+def train_supervised(
+    model,
+    batches: Iterator[list[Example]],
+    *,
+    steps: int,
+    lr: float,
+    pad_token_id: int,
+    advance: Callable[[int], None] | None = None,
+) -> None:
+    """`steps` AdamW steps on `model` in place, one batch of `batches` each: the mean negative
+    log-likelihood of the target tokens under their mask, with gradients clipped to norm 1 and
+    the learning rate warmed up over 20 steps, then cosine-decayed to zero at `steps`.
+    `advance(1)` is called after every step (a progress bar). Shared by the warm start and the
+    built-in judge (`streamrl.judge.model`)."""
+    import torch
+
+    from streamrl.trainer.logprobs import pack, response_logprobs
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    for _ in range(steps):
         prompts, targets, masks = zip(*next(batches), strict=True)
-        packed = pack(prompts, targets, tokenizer.pad_token_id)
+        packed = pack(prompts, targets, pad_token_id)
         mask = packed.response_mask_br.clone()
         for i, target_mask in enumerate(masks):  # tool output is shown, not imitated
             mask[i, : len(target_mask)] *= torch.tensor(target_mask, dtype=mask.dtype)
@@ -129,7 +157,6 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
         optimizer.zero_grad(set_to_none=True)
         if advance:
             advance(1)
-    model.save_pretrained(str(model_dir))
 
 
 Example = tuple[list[int], list[int], list[int]]

@@ -731,8 +731,23 @@ def test_stats_has_every_counter(bus: Bus) -> None:
         "late_writes",
         "expired_leases",
         "leases_open",
+        "ready",
     }
     assert set(bus.stats()) == expected
+
+
+def test_stats_count_the_rows_each_consumer_could_claim_now(bus: Bus) -> None:
+    """`ready`: per consumer, rows it could claim with the fields of its latest claim (a role's
+    queue depth, `judge/queue_depth`); rows leased to it are not counted."""
+    bus.register_consumer("judge")
+    bus.add_rows(group_rows("g", 4))
+    bus.write({"g/0": {"r": 1}, "g/1": {"r": 1}, "g/2": {"r": 1}})
+    lease = bus.claim("judge", ["r"], 1)
+    assert bus.stats()["ready"] == {"judge": 2}
+    bus.ack(lease.lease_id)
+    assert bus.stats()["ready"] == {"judge": 2}
+    bus.claim("judge", ["other"], 1)  # its latest claim asks for a field no row has
+    assert bus.stats()["ready"] == {"judge": 0}
 
 
 def test_state_dict_round_trip_recognises_consumed_ids(make: Callable[..., Bus]) -> None:

@@ -72,8 +72,8 @@ def test_a_default_run_has_the_five_roles_of_grpo() -> None:
 
 
 def test_an_unknown_role_is_named_with_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown role 'judge'; roles: trainer, rollout"):
-        role_spec("judge")
+    with pytest.raises(ValueError, match="unknown role 'grader'; roles: trainer, rollout, judge"):
+        role_spec("grader")
 
 
 def test_the_run_is_paced_by_the_one_role_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
