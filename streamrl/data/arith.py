@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -71,8 +72,19 @@ def sample_pairs(
 def worked_solution(a: int, b: int, *, carry: bool = True) -> str:
     """Column-by-column solution ending in `:answer`; `carry=False` is the noisy teacher's habit
     of dropping every carry, including the last column's overflow (99+99 -> 88)."""
+    return column_solution(a, b, [carry] * max(len(str(a)), len(str(b))))
+
+
+def column_solution(a: int, b: int, keep_carry: Sequence[bool]) -> str:
+    """The worked solution of a+b in which the carry out of column i (from the units) is kept
+    when `keep_carry[i]`, and dropped otherwise; the last column's carry is the answer's leading
+    overflow digit. All kept is the right solution, none kept the noisy teacher's habit."""
     da, db = str(a)[::-1], str(b)[::-1]
     width = max(len(da), len(db))
+    if len(keep_carry) != width:
+        raise ValueError(
+            f"keep_carry needs one flag per column of {a}+{b} ({width}), got {keep_carry}"
+        )
     carry_in, steps, total = 0, [], 0
     for i in range(width):
         x = int(da[i]) if i < len(da) else 0
@@ -80,9 +92,10 @@ def worked_solution(a: int, b: int, *, carry: bool = True) -> str:
         column = x + y + carry_in
         steps.append(f"{x}+{y}" + (f"+{carry_in}" if carry_in else "") + f"={column}")
         total += (column % 10) * 10**i
-        if i == width - 1 and carry:
-            total += (column // 10) * 10**width
-        carry_in = column // 10 if carry else 0
+        carry_out = column // 10 if keep_carry[i] else 0
+        if i == width - 1:
+            total += carry_out * 10**width
+        carry_in = carry_out
     return ",".join(steps) + f":{total}"
 
 

@@ -17,7 +17,7 @@ cut off before its answer, and a garbage tail. About half are correct. Problems 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from streamrl.config.reward_schema import BUILTIN_JUDGE_TEMPLATE
@@ -79,28 +79,8 @@ def judge_examples(num: int, *, digits: int, seed: int, split: str) -> list[Judg
     return examples
 
 
-def solution(a: int, b: int, keep_carry: Sequence[bool]) -> str:
-    """The worked solution of a+b in which the carry out of column i (from the units) is kept
-    when `keep_carry[i]`, and dropped otherwise; the last column's carry is the answer's leading
-    overflow digit. All kept is `arith.worked_solution`, none kept the noisy teacher's habit."""
-    da, db = str(a)[::-1], str(b)[::-1]
-    width = max(len(da), len(db))
-    if len(keep_carry) != width:
-        raise ValueError(
-            f"keep_carry needs one flag per column of {a}+{b} ({width}), got {keep_carry}"
-        )
-    carry_in, steps, total = 0, [], 0
-    for i in range(width):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
-        column = x + y + carry_in
-        steps.append(f"{x}+{y}" + (f"+{carry_in}" if carry_in else "") + f"={column}")
-        total += (column % 10) * 10**i
-        carry_out = column // 10 if keep_carry[i] else 0
-        if i == width - 1:
-            total += carry_out * 10**width
-        carry_in = carry_out
-    return ",".join(steps) + f":{total}"
+solution = arith.column_solution
+"""The worked solution keeping only some carries (`arith.column_solution`)."""
 
 
 def _width(p: arith.Problem) -> int:
