@@ -67,8 +67,11 @@ def main() -> None:
             f"(RL {s['rl_wall_time_s']:.0f} s, {s['rl_wall_time_s'] / steps:.2f} s/step), "
             f"trainer idle {s['trainer_idle_fraction']:.3f}"
         )
+    built = json.loads((Path(judge["judge_model_dir"]) / "judge_eval.json").read_text())
     print(
-        f"judge: held-out verdict accuracy {judge['judge_verdict_accuracy']:.3f}, "
+        f"judge: held-out verdict accuracy {judge['judge_verdict_accuracy']:.3f} "
+        f"(on correct answers {built['accuracy_on_correct']:.3f}, on incorrect "
+        f"{built['accuracy_on_incorrect']:.3f}), built in {built['build_s']:.0f} s, "
         f"throughput {judge['judge_samples_per_s']:.0f} samples/s of its busy time"
     )
     wait = max(0.0, judge["trainer_idle_fraction"] - rule["trainer_idle_fraction"])

@@ -77,7 +77,7 @@ class JudgeBuildConfig(Section):
     """The built-in judge (`reward.judge.model` unset): the built-in architecture fine-tuned on
     generated right and wrong worked answers of the built-in task, built once and cached."""
 
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(1500, ge=1)
     """Supervised steps of the build."""
     batch_size: int = Field(64, ge=1)
     """Examples a step."""

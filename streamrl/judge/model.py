@@ -48,7 +48,7 @@ class JudgeBuild:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    steps: int = 1000
+    steps: int = 1500
     """Supervised steps, each on `batch_size` fresh examples of the train split."""
     batch_size: int = 64
     lr: float = 1.5e-3

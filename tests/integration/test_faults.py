@@ -59,10 +59,12 @@ def wait_for(proc: subprocess.Popen, what: str, check, timeout_s: float = 300):
         time.sleep(0.1)
 
 
-def kill_role(proc: subprocess.Popen, run_dir: Path, role: str, at_step: int) -> None:
+def kill_role(
+    proc: subprocess.Popen, run_dir: Path, role: str, at_step: int, step_s: float = 300
+) -> None:
     """SIGKILL `role`'s process (or a service's: `bus#0`, `weights`) once `at_step` steps are
-    done; wait for its replacement."""
-    wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step)
+    done (waiting at most `step_s` for them); wait for its replacement."""
+    wait_for(proc, f"step {at_step}", lambda: steps_done(run_dir) >= at_step, step_s)
     pid = wait_for(proc, f"a live {role}", lambda: kill_if_ours(proc, live_pid(run_dir, role)))
     wait_for(proc, f"{role} restarted", lambda: live_pid(run_dir, role) not in (None, pid))
 
@@ -72,13 +74,16 @@ def kill_if_ours(proc: subprocess.Popen, pid: int | None) -> int | None:
     return kill_job_process(proc.pid, pid)
 
 
-def run_with_kills(args: list[str], run_dir: Path, kills: list[tuple[str, int]]) -> str:
+def run_with_kills(
+    args: list[str], run_dir: Path, kills: list[tuple[str, int]], first_step_s: float = 300
+) -> str:
     """`streamrl train args`, SIGKILLing each (process, step) of `kills` in turn (each waits for
-    its predecessor's successor); returns the run's output once it finished on its own."""
+    its predecessor's successor); returns the run's output once it finished on its own.
+    `first_step_s` bounds the wait for the first kill's step (set-up included)."""
     proc = start(args, run_dir)
     try:
-        for name, step in kills:
-            kill_role(proc, run_dir, name, step)
+        for i, (name, step) in enumerate(kills):
+            kill_role(proc, run_dir, name, step, first_step_s if i == 0 else 300)
         return finish(proc)
     finally:
         if proc.poll() is None:
@@ -117,6 +122,17 @@ def all_ids(steps: int, prompts: int, group: int) -> set[str]:
     return {f"b{b}-p{p}-s{s}" for b in range(steps) for p in range(prompts) for s in range(group)}
 
 
+def assert_each_sample_once(run_dir: Path, summary: dict, prompts: int, group: int) -> None:
+    """Every sample id of the run's steps was trained once or dropped with a reason: none
+    trained twice, none lost."""
+    trained = trained_ids(run_dir)
+    assert max(trained.values()) == 1, "a sample was trained twice"
+    dropped = sum(summary["num_samples_dropped"].values())
+    expected = all_ids(summary["num_steps"], prompts, group)
+    assert set(trained) <= expected
+    assert len(trained) + dropped == len(expected), "samples were lost"
+
+
 def test_rollout_and_reward_killed_three_times_each(tmp_path):
     run_dir = tmp_path / "faults"
     kills = [("rollout", 8), ("reward", 16), ("rollout", 30),
@@ -128,12 +144,7 @@ def test_rollout_and_reward_killed_three_times_each(tmp_path):
     assert summary["initial_eval_accuracy"] <= 0.4
     assert summary["final_eval_accuracy"] >= 0.8
 
-    trained = trained_ids(run_dir)
-    assert max(trained.values()) == 1, "a sample was trained twice"
-    dropped = sum(summary["num_samples_dropped"].values())
-    expected = all_ids(summary["num_steps"], 32, 8)
-    assert set(trained) <= expected
-    assert len(trained) + dropped == len(expected), "samples were lost"
+    assert_each_sample_once(run_dir, summary, 32, 8)
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["role"] for e in events] == ["rollout", "reward"] * 3
     assert all("restart" in e["action"] for e in events)
