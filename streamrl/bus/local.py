@@ -24,30 +24,15 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.api.bus import (
-    ROW_META_KEYS,
-    WHERE_OPS,
-    BusFullError,
-    Lease,
-    UnknownSampleError,
-)
+from streamrl.api.bus import ROW_META_KEYS, BusFullError, Lease, UnknownSampleError
 from streamrl.bus import samplers
+from streamrl.bus.validate import Predicate, check_field_names, parse_row, where_predicates
 
-_WHERE_FUNCS: dict[str, Callable[[Any, Any], bool]] = {
-    "==": lambda a, b: a == b,
-    "<=": lambda a, b: a <= b,
-    "<": lambda a, b: a < b,
-    ">=": lambda a, b: a >= b,
-    ">": lambda a, b: a > b,
-}
-assert set(_WHERE_FUNCS) == set(WHERE_OPS)
-
-_ROW_KEYS = frozenset({"sample_id", "group_id", "group_size", "batch_index", "fields"})
 _STATE_VERSION = 1
 
 
@@ -140,7 +125,7 @@ class LocalBus:
     ) -> None:
         """See ``Bus.add_rows``. ``summaries`` ({sample_id: {field: summary}}) is for callers
         whose field values are handles the bus cannot inspect (the Ray actor)."""
-        parsed = [_parse_row(row) for row in rows]
+        parsed = [parse_row(row) for row in rows]
         with self._locked():
             if not self._pending:
                 raise ValueError(
@@ -190,7 +175,7 @@ class LocalBus:
             for sample_id, values in updates.items():
                 if sample_id not in self._rows and sample_id not in self._freed:
                     raise UnknownSampleError(sample_id)
-                _check_field_names(values)
+                check_field_names(values)
             for sample_id, values in updates.items():
                 row = self._rows.get(sample_id)
                 if row is None:
@@ -225,7 +210,7 @@ class LocalBus:
         if isinstance(fields, str):
             raise TypeError(f"fields must be a sequence of field names, got the string {fields!r}")
         fields = tuple(fields)
-        predicates = _where_predicates(where)
+        predicates = where_predicates(where)
         deadline = time.monotonic() + wait_s
         with self._locked():
             self._claim_fields[consumer] = fields
@@ -549,7 +534,7 @@ class LocalBus:
         consumer: str,
         pending: dict[str, _Row],
         fields: tuple[str, ...],
-        predicates: list[tuple[str, Callable[[Any, Any], bool], Any]],
+        predicates: list[Predicate],
     ) -> Iterator[samplers.RowView]:
         groups = self._groups
         for row in pending.values():
@@ -644,43 +629,6 @@ def _get(row: _Row | dict[str, Any], key: str) -> Any:
     return getattr(row, key) if isinstance(row, _Row) else row[key]
 
 
-def _parse_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    extra = set(row) - _ROW_KEYS
-    if extra:
-        raise ValueError(f"row has unknown keys {sorted(extra)}; allowed: {sorted(_ROW_KEYS)}")
-    missing = {"sample_id", "group_id", "group_size"} - set(row)
-    if missing:
-        raise ValueError(f"row {dict(row)!r} lacks required keys {sorted(missing)}")
-    sample_id, group_id = row["sample_id"], row["group_id"]
-    group_size, batch_index = row["group_size"], row.get("batch_index", 0)
-    if not isinstance(sample_id, str) or not sample_id:
-        raise ValueError(f"sample_id must be a non-empty string, got {sample_id!r}")
-    if not isinstance(group_id, str) or not group_id:
-        raise ValueError(f"group_id of {sample_id!r} must be a non-empty string, got {group_id!r}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size of {sample_id!r} must be an int >= 1, got {group_size!r}")
-    if not isinstance(batch_index, int):
-        raise ValueError(f"batch_index of {sample_id!r} must be an int, got {batch_index!r}")
-    fields = row.get("fields") or {}
-    _check_field_names(fields)
-    return {
-        "sample_id": sample_id,
-        "group_id": group_id,
-        "group_size": group_size,
-        "batch_index": batch_index,
-        "fields": fields,
-    }
-
-
-def _check_field_names(values: Mapping[str, Any]) -> None:
-    reserved = set(values) & set(ROW_META_KEYS)
-    if reserved:
-        raise ValueError(
-            f"field names {sorted(reserved)} are reserved for row meta {list(ROW_META_KEYS)}; "
-            "rename the fields"
-        )
-
-
 def _summaries_for(
     sample_id: str,
     values: Mapping[str, Any],
@@ -690,21 +638,3 @@ def _summaries_for(
         return samplers.summarize(values)
     given = summaries.get(sample_id, {})
     return {k: given[k] for k in values if k in given}
-
-
-def _where_predicates(
-    where: Mapping[str, tuple[str, Any]] | None,
-) -> list[tuple[str, Callable[[Any, Any], bool], Any]]:
-    predicates = []
-    for key, condition in (where or {}).items():
-        if key not in ROW_META_KEYS:
-            raise ValueError(f"where key {key!r} is not row meta; expected one of {ROW_META_KEYS}")
-        if not isinstance(condition, tuple | list) or len(condition) != 2:
-            raise ValueError(
-                f"where[{key!r}] must be an (op, value) pair such as ('<=', 3), got {condition!r}"
-            )
-        op, value = condition
-        if op not in _WHERE_FUNCS:
-            raise ValueError(f"where[{key!r}] has unknown op {op!r}; expected one of {WHERE_OPS}")
-        predicates.append((key, _WHERE_FUNCS[op], value))
-    return predicates

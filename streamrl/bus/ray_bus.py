@@ -55,9 +55,9 @@ from ray.exceptions import RayTaskError
 
 from streamrl.api.bus import Lease, UnknownSampleError
 from streamrl.bus import samplers
-from streamrl.bus.local import _check_field_names
 from streamrl.bus.payload import PAYLOAD_OWNERS, PayloadOwner, WireSlot, resolve, store
 from streamrl.bus.ray_shard import BusOptions, BusShard, ClaimReply, RemoteBusShard, get_all
+from streamrl.bus.validate import check_field_names
 
 _LOCATED_KEPT = 200_000  # sample id -> shard entries a client remembers for routing
 
@@ -218,7 +218,7 @@ class RayBus:
         updates = {sample_id: dict(values) for sample_id, values in updates.items()}
         if self.num_shards > 1:
             for values in updates.values():  # before any shard writes: all or nothing
-                _check_field_names(values)
+                check_field_names(values)
         by_shard, unknown = self._locate(list(updates))
         if unknown:
             raise UnknownSampleError(unknown[0])

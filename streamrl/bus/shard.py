@@ -41,7 +41,8 @@ from typing import Any
 
 from streamrl.api.bus import Lease
 from streamrl.bus import samplers
-from streamrl.bus.local import LocalBus, _parse_row, _Row, _Waiter, _where_predicates
+from streamrl.bus.local import LocalBus, _Row, _Waiter
+from streamrl.bus.validate import parse_row, where_predicates
 
 
 class ShardBus(LocalBus):
@@ -119,7 +120,7 @@ class ShardBus(LocalBus):
         shard has seen: ``(group_id, batch_index)`` if live, None if freed. A sample id seen
         here but routed elsewhere was re-added with another group.
         """
-        parsed = [_parse_row(row) for row in rows]
+        parsed = [parse_row(row) for row in rows]
         with self._locked():
             if not self._pending:
                 raise ValueError(
@@ -216,7 +217,7 @@ class ShardBus(LocalBus):
         """Block until a claim with these arguments would get rows here (True) or
         ``timeout_s`` passes (False). Leases nothing."""
         fields = tuple(fields)
-        predicates = _where_predicates(where)
+        predicates = where_predicates(where)
         deadline = time.monotonic() + timeout_s
         with self._locked():
             waiter = _Waiter(consumer, frozenset(fields), threading.Condition(self._lock))

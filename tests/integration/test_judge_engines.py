@@ -80,6 +80,6 @@ def test_the_judges_verdicts_agree_with_the_rule(tmp_path, engine):
     assert all(m["judge/verdict_invalid"] == 0 for m in judged)
     rule = sum(m["reward_components/function"] for m in steps) / len(steps)
     judge = sum(m["reward_components/judge"] for m in steps) / len(steps)
-    # 512 samples; the judge is wrong on about 7% of held-out answers, in both directions.
+    # 512 samples; the judge is wrong on about 2.5% of held-out answers, in both directions.
     assert abs(judge - rule) <= 0.1, (rule, judge)
     assert summary["judge_samples_per_s"] > 0
