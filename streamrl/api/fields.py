@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
+| routed_experts | rollout (`algorithm.routing_replay=rollout`) | uint8 [positions, MoE layers, k]: the experts the engine routed each prompt and response position to (all but the last token's), under the policy version that produced it |
 | loss_mask, episode | rollout (agent runs only) | 1 on model-sampled tokens, 0 on tool / environment / template tokens; the episode's outcome (final answer, status, turns, tool calls, workflow reward) |
 | judge | judge (`reward.judge.enabled`) | {value: float or None, status, reason, verdict: the label or score read, reply: the judge's text} |
 | reward, reward_status, reward_reason, reward_components | reward | float or None; ok / invalid_output / timeout / infra_error; text; {name: float} (logged only) |
@@ -21,6 +22,7 @@ RESPONSE_IDS = "response_ids"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 VERSIONS = "versions"
 FINISH_REASON = "finish_reason"
+ROUTED_EXPERTS = "routed_experts"
 LOSS_MASK = "loss_mask"
 EPISODE = "episode"
 JUDGE = "judge"

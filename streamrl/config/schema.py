@@ -40,6 +40,12 @@ class ModelConfig(Section):
     """Built-in tiny model: number of transformer layers."""
     num_heads: int = Field(4, ge=1)
     """Built-in tiny model: attention heads (key/value heads are half of these)."""
+    num_experts: int = Field(0, ge=0, le=256)
+    """Built-in tiny model: experts per layer. 0 builds the dense Qwen3; above 0 a Qwen3-MoE
+    (a router and `num_experts` SiLU experts in every layer, each of half the dense MLP's
+    width), docs/moe.md."""
+    experts_per_token: int = Field(2, ge=1)
+    """Built-in tiny MoE model: experts each token is routed to (top-k)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of the policy in every role: the trainer (unless
     `trainer.mixed_precision`), the builtin engine, the reference, pi_old and critic models;
@@ -433,6 +439,16 @@ class AlgorithmConfig(Section):
     """Reward shaping and filtering."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """DAPO dynamic sampling."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts models: "rollout" records, per token and layer, the experts the
+    rollout engine routed to (field `routed_experts`) and makes the trainer, reference and
+    pi_old forwards use exactly those (the router still gets its gradient), so that a routing
+    decision flipped by rounding cannot open a log-prob gap between engine and trainer
+    (rollout routing replay, R3). "off": every forward routes by itself. docs/moe.md."""
+    router_aux_loss_coef: float = Field(0.001, ge=0)
+    """Mixture-of-experts models: weight of the router's load-balancing loss (Switch
+    Transformer's, as Qwen3-MoE trains with) in the policy loss; always logged as
+    `moe/aux_loss` (0: logged, not trained)."""
 
     _fill_preset = model_validator(mode="before")(apply_preset)
 
@@ -629,6 +645,26 @@ class Config(Section):
                 "reward.judge.model is unset, so the built-in judge would grade, and it knows only "
                 "the built-in arithmetic task (data.task=arith, no data.train_file): set "
                 "reward.judge.model to a judge model directory of your own"
+            )
+        m = self.model
+        if self.algorithm.routing_replay != "off":
+            if m.path is None and not m.num_experts:
+                raise ValueError(
+                    "algorithm.routing_replay needs a mixture-of-experts model: the built-in "
+                    "model is dense unless model.num_experts > 0 (e.g. model.num_experts=8), "
+                    "or set algorithm.routing_replay=off"
+                )
+            if self.rollout.engine != "builtin" or self.agent.enabled:
+                raise ValueError(
+                    "algorithm.routing_replay=rollout: routing capture is built into the builtin "
+                    "engine for single-turn rollouts; with rollout.engine="
+                    f"{self.rollout.engine!r}{' and agent.enabled' if self.agent.enabled else ''} "
+                    "set algorithm.routing_replay=off (docs/moe.md)"
+                )
+        if m.num_experts and not m.experts_per_token <= m.num_experts:
+            raise ValueError(
+                f"model.experts_per_token ({m.experts_per_token}) must be at most "
+                f"model.num_experts ({m.num_experts})"
             )
         if self.model.hidden_size % self.model.num_heads:
             raise ValueError(

@@ -18,6 +18,7 @@ def _scoring(ctx: RunContext) -> dict[str, Any]:
         "temperature": cfg.rollout.temperature,
         "max_rows": rows_per_batch(cfg),
         "lease_s": cfg.runtime.lease_s,
+        "routing_replay": cfg.algorithm.routing_replay == "rollout",
     }
 
 

@@ -24,7 +24,10 @@ CONSUMER = "reference"
 def reference_fields(
     model, rows: Sequence[Mapping[str, Any]], *, pad_token_id: int, temperature: float
 ) -> dict[str, dict[str, Any]]:
-    batch = pack([r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows], pad_token_id)
+    routes = [r[F.ROUTED_EXPERTS] for r in rows] if F.ROUTED_EXPERTS in rows[0] else None
+    batch = pack(
+        [r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows], pad_token_id, routes
+    )
     logp_br = response_logprobs(model, batch.to(next(model.parameters()).device), temperature)
     logp_br = logp_br.cpu()
     return {
@@ -40,9 +43,19 @@ class ReferenceRole(TransformRole):
     consumes = (F.PROMPT_IDS, F.RESPONSE_IDS)
 
     def __init__(
-        self, bus, model, *, pad_token_id: int, temperature: float, max_rows: int, lease_s: float
+        self,
+        bus,
+        model,
+        *,
+        pad_token_id: int,
+        temperature: float,
+        max_rows: int,
+        lease_s: float,
+        routing_replay: bool = False,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
+        if routing_replay:  # the rollout's experts, replayed in this forward too
+            self.consumes = (*self.consumes, F.ROUTED_EXPERTS)
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.temperature = temperature

@@ -53,10 +53,12 @@ from streamrl.api.engine import (
     WeightPoll,
     check_requests,
 )
+from streamrl.api.fields import ROUTED_EXPERTS
+from streamrl.models.moe import route
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
 from streamrl.rollout.sampling import StopStrings, stop_token_set, truncate_logits
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 
 # ---------------------------------------------------------------------------------------------
 # Sampling: Gumbel-max with counter-based noise.
@@ -161,7 +163,7 @@ class DecoderRunner:
     tokens in columns [0, length_s). Activations are flat: [tokens, features].
     """
 
-    def __init__(self, model, *, use_onednn: bool | None = None):
+    def __init__(self, model, *, use_onednn: bool | None = None, capture_routes: bool = False):
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
         reason = unsupported(model.config, getattr(rotary, "rope_type", None))
         if reason is not None:
@@ -179,7 +181,17 @@ class DecoderRunner:
         self.eps = config.rms_norm_eps
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        # Mixture-of-experts layers: with `capture_routes`, every pass leaves the experts it
+        # routed each of its tokens to in `routes` (prefill: one [len, layers, k] per prompt,
+        # in the order given; decode: [rows, layers, k]).
+        self.capture_routes = capture_routes
+        self.routes: Any = None
         self.refresh()
+        if capture_routes and not any(w.moe is not None for w in self.layers):
+            raise TypeError(
+                "algorithm.routing_replay: the model has no mixture-of-experts layer, so there "
+                "are no routing decisions to capture and replay; set algorithm.routing_replay=off"
+            )
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -257,6 +269,9 @@ class DecoderRunner:
         cos, sin = self.cos[:width].repeat(num, 1), self.sin[:width].repeat(num, 1)
         hidden_nh = self._layers(ids_n, cos[:, None], sin[:, None], attend)
         logits = self._logits(hidden_nh[self._arange(num) * width + lengths - 1])
+        if self.routes is not None:  # [num * width, layers, k] -> each prompt's own positions
+            per_unique = [self.routes[i * width : i * width + len(p)] for i, p in enumerate(unique)]
+            self.routes = [per_unique[i] for i in which.tolist()]
         source = first[which]
         copies = source != slots
         if bool(copies.any()):
@@ -292,6 +307,7 @@ class DecoderRunner:
         x = F.embedding(ids_n, self.model.model.embed_tokens.weight)
         num = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        routes: list[torch.Tensor] = []
         for i, w in enumerate(self.layers):
             qkv = w.qkv(_rms_normalize(x, self.eps))
             qk = qkv[:, : (heads + kv_heads) * dim].view(num, heads + kv_heads, dim)
@@ -300,8 +316,14 @@ class DecoderRunner:
                 qk = _rms_normalize(qk, self.eps).mul_(w.qk_norm)
             qk = torch.addcmul(qk * cos_n1d, qk.roll(dim // 2, -1), sin_n1d)  # rotary, q and k
             x = w.o.add_to(x, attend(i, qk[:, :heads], qk[:, heads:], v))
+            if w.moe is not None:
+                out, experts_nk = w.moe(_rms_normalize(x, self.eps))
+                x = x + out
+                routes.append(experts_nk)
+                continue
             gate, up = w.gate_up(_rms_normalize(x, self.eps)).chunk(2, dim=-1)
             x = w.down.add_to(x, F.silu(gate).mul_(up))
+        self.routes = torch.stack(routes, dim=1) if self.capture_routes else None
         return x
 
     def _logits(self, hidden_bh: torch.Tensor) -> torch.Tensor:
@@ -338,8 +360,9 @@ class _LayerWeights:
     qkv: _Linear  # [q; k; v] rows, times the input norm's weight (columns)
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
     o: _Linear
-    gate_up: _Linear  # [gate; up] rows, times the post-attention norm's weight (columns)
-    down: _Linear
+    gate_up: _Linear | None  # [gate; up] rows, times the post-attention norm's weight (columns)
+    down: _Linear | None
+    moe: _Experts | None = None  # a mixture-of-experts layer's MLP (then no gate_up, down)
 
     @classmethod
     def of(cls, layer, num_heads: int, num_kv_heads: int, onednn: bool) -> _LayerWeights:
@@ -352,16 +375,49 @@ class _LayerWeights:
             qk_norm = torch.cat([q_norm, attn.k_norm.weight.expand(num_kv_heads, -1)])
             q_scale = 1.0
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv_linear = _Linear(*_fuse(qkv, [q_scale, 1.0, 1.0], layer.input_layernorm), onednn)
+        o = _Linear(attn.o_proj.weight, attn.o_proj.bias, onednn)
+        if hasattr(mlp, "experts"):
+            moe = _Experts(mlp, layer.post_attention_layernorm.weight)
+            return cls(qkv=qkv_linear, qk_norm=qk_norm, o=o, gate_up=None, down=None, moe=moe)
         return cls(
-            qkv=_Linear(*_fuse(qkv, [q_scale, 1.0, 1.0], layer.input_layernorm), onednn),
+            qkv=qkv_linear,
             qk_norm=qk_norm,
-            o=_Linear(attn.o_proj.weight, attn.o_proj.bias, onednn),
+            o=o,
             gate_up=_Linear(
                 *_fuse([mlp.gate_proj, mlp.up_proj], [1.0, 1.0], layer.post_attention_layernorm),
                 onednn,
             ),
             down=_Linear(mlp.down_proj.weight, mlp.down_proj.bias, onednn),
         )
+
+
+class _Experts:
+    """A mixture-of-experts MLP (Qwen3-MoE's): the router picks `top_k` experts per token
+    (`streamrl.models.moe.route`) and the output is their SiLU MLPs' outputs weighted by the
+    router's probabilities, computed expert by expert over the tokens routed to each, in the
+    order and with the products the transformers model uses (so that fp32 log-probs agree)."""
+
+    def __init__(self, mlp, norm_weight: torch.Tensor):
+        self.norm_weight = norm_weight
+        self.router = mlp.gate.weight
+        self.top_k = mlp.gate.top_k
+        self.normalise = bool(getattr(mlp.gate, "norm_topk_prob", True))
+        self.gate_up = mlp.experts.gate_up_proj  # [experts, 2 * inner, hidden]
+        self.down = mlp.experts.down_proj  # [experts, hidden, inner]
+
+    def __call__(self, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output [N, hidden], the experts each token went to [N, k]) of the
+        RMS-normalised input (the norm's weight not yet applied)."""
+        h = x_normed * self.norm_weight
+        weights_nk, experts_nk, _ = route(F.linear(h, self.router), self.top_k, self.normalise)
+        out = torch.zeros_like(h)
+        for expert in torch.unique(experts_nk).tolist():
+            tokens, slot = torch.where(experts_nk == expert)
+            gate, up = F.linear(h[tokens], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights_nk[tokens, slot, None]
+            out.index_add_(0, tokens, y)
+        return out, experts_nk
 
 
 def _fuse(linears, scales: list[float], norm) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -425,10 +481,11 @@ class BuiltinEngine:
         max_batch_size: int = 512,
         use_onednn: bool | None = None,
         tokenizer=None,
+        capture_routes: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer  # decodes responses for stop strings; needed only for them
-        self.runner = DecoderRunner(model, use_onednn=use_onednn)
+        self.runner = DecoderRunner(model, use_onednn=use_onednn, capture_routes=capture_routes)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -508,7 +565,15 @@ class _Generation:
         if not engine._packed_current:  # the model may have been trained in place
             self.runner.refresh()
         engine._packed_current = False
-        self.runner.allocate(num_slots, max(len(r.prompt_ids) for r in requests) + self.max_new)
+        max_len = max(len(r.prompt_ids) for r in requests) + self.max_new
+        self.runner.allocate(num_slots, max_len)
+        # With routing capture: per request, the experts of each position it ran through the
+        # model [requests, positions, moe layers, k], kept from the pass that first ran it.
+        self.routes = None
+        if self.runner.capture_routes:
+            moe_layers = sum(w.moe is not None for w in self.runner.layers)
+            top_k = next(w.moe.top_k for w in self.runner.layers if w.moe is not None)
+            self.routes = torch.zeros((num, max_len, moe_layers, top_k), dtype=torch.uint8)
 
     def run(self) -> list[GenerationResult]:
         first = True
@@ -545,11 +610,20 @@ class _Generation:
         logits = None
         if bool(decoding.any()):
             logits = self.runner.decode(self.last[:num_decoding], self.length[:num_decoding])
+            if self.routes is not None:  # the fed tokens' positions
+                rows = decoding.nonzero().flatten()
+                self.routes[self.request[rows], self.length[rows]] = (
+                    self.runner.routes[rows].to(torch.uint8).cpu()
+                )
             self.length[:num_decoding] += decoding
         new_slots = self._admit()
         if len(new_slots):
-            prompts = [self.requests[i].prompt_ids for i in self.request[new_slots].tolist()]
+            requests = self.request[new_slots].tolist()
+            prompts = [self.requests[i].prompt_ids for i in requests]
             prefilled = self.runner.prefill(new_slots, prompts)
+            if self.routes is not None:
+                for i, routes in zip(requests, self.runner.routes, strict=True):
+                    self.routes[i, : len(routes)] = routes.to(torch.uint8).cpu()
             self.length[new_slots] = torch.tensor([len(p) for p in prompts], device=self.device)
             decoded, logits = logits, prefilled.new_zeros((self.num_used, prefilled.shape[-1]))
             if decoded is not None:
@@ -625,6 +699,9 @@ class _Generation:
                 versions=versions[k][:n],
                 finish_reason="stop" if stopped[k] else "length",
             )
+            if self.routes is not None:  # every position but the last token's
+                ran = len(self.requests[i].prompt_ids) + n - 1
+                result.extra[ROUTED_EXPERTS] = self.routes[i, :ran].numpy().copy()
             self.results[i] = result
             finished.append(result)
         self.request[slots] = -1

@@ -33,6 +33,7 @@ def builtin_engine(ctx: RunContext, model=None):
     from streamrl.rollout.builtin_engine import BuiltinEngine
 
     tok = policy_tokenizer(ctx)
+    model_given = model is not None
     if model is None:
         dtype = ctx.cfg.rollout.dtype
         model = load_policy_model(ctx, "rollout.device", dtype=None if dtype == "auto" else dtype)
@@ -43,6 +44,9 @@ def builtin_engine(ctx: RunContext, model=None):
         pad_token_id=tok.pad_token_id,
         max_batch_size=ctx.cfg.rollout.max_batch_size,
         use_onednn=resolve_onednn(ctx.cfg.model.onednn_linears),
+        # The rollout's engine records its routing for replay; the evaluator's (over the
+        # trainer's `model`) has nobody to hand it to.
+        capture_routes=model_given is False and ctx.cfg.algorithm.routing_replay == "rollout",
     )
 
 

@@ -64,12 +64,15 @@ def to_requests(rows: Sequence[Mapping[str, Any]]) -> list[GenerationRequest]:
 
 
 def result_fields(result: GenerationResult) -> dict[str, Any]:
-    return {
+    fields = {
         F.RESPONSE_IDS: np.asarray(result.response_ids, dtype=np.int64),
         F.ROLLOUT_LOGPROBS: np.asarray(result.logprobs, dtype=np.float32),
         F.VERSIONS: np.asarray(result.versions, dtype=np.int64),
         F.FINISH_REASON: result.finish_reason,
     }
+    if F.ROUTED_EXPERTS in result.extra:  # an engine capturing routes (`routing_replay`)
+        fields[F.ROUTED_EXPERTS] = result.extra[F.ROUTED_EXPERTS]
+    return fields
 
 
 class RolloutRole(RoleBase):

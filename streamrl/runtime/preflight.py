@@ -269,6 +269,12 @@ def check_model_dir(cfg) -> None:
 
         from streamrl.rollout.builtin_engine import unsupported
 
-        reason = unsupported(AutoConfig.from_pretrained(path, local_files_only=True))
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        reason = unsupported(hf_config)
         if reason is not None:
             raise ConfigError(f"model.path = {path!r}: {reason}")
+        if cfg.algorithm.routing_replay != "off" and not getattr(hf_config, "num_experts", 0):
+            raise ConfigError(
+                f"model.path = {path!r} is not a mixture-of-experts model (its config has no "
+                "num_experts), so it has no routing to replay: set algorithm.routing_replay=off"
+            )

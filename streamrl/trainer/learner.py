@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamrl.api import fields as F
 from streamrl.metrics.memory import process_peak_bytes
+from streamrl.models import moe
 from streamrl.trainer.algos.losses import batch_normaliser
 from streamrl.trainer.algos.objective import LossSettings, policy_loss_sum
 from streamrl.trainer.logprobs import pack, response_logprobs
@@ -57,6 +59,7 @@ class Learner:
         padding_free: bool = False,
         compile: bool = False,
         mixed_precision: bool = False,
+        router_aux_loss_coef: float = 0.0,
     ):
         scheduled_lr(0, lr=lr, schedule=lr_schedule, total_steps=total_steps)  # checks it
         self.model = model
@@ -75,6 +78,7 @@ class Learner:
         self.temperature = temperature
         self.settings = settings
         self.padding_free = padding_free
+        self.router_aux_loss_coef = router_aux_loss_coef
         self.device = next(model.parameters()).device
         # The parameters that train: all of them, or a LoRA model's adapters (`lora.py`).
         self.optimizer = torch.optim.AdamW(
@@ -114,7 +118,8 @@ class Learner:
             return
         s = self.settings
         with_entropy = s.entropy_coef > 0
-        mask_bt, out = self._forward(rows, with_entropy=with_entropy)
+        with moe.recording(self.forward_model) as record:
+            mask_bt, out = self._forward(rows, with_entropy=with_entropy)
         logprobs_bt, entropy_bt = out if with_entropy else (out, None)
         # The proximal policy: computed by the trainer before the step's first update
         # (`prox_logprobs`, several updates per batch), the pi_old role's (`old_logprobs`), or
@@ -134,11 +139,29 @@ class Learner:
             else None,
             trainer_version=self.version,
         )
+        normaliser = batch_normaliser(mask_bt, s.loss.agg, s.agg_constant)
+        if record is not None:  # a mixture-of-experts model: its router's loss and loads
+            loss_sum = loss_sum + self._router_loss(record, normaliser, stats)
         loss_sum.backward()
-        self._normaliser += batch_normaliser(mask_bt, s.loss.agg, s.agg_constant)
+        self._normaliser += normaliser
         self._loss_sum += float(loss_sum.detach())
         for key, value in stats.items():
             self._stats[key] = self._stats.get(key, 0.0) + value
+
+    def _router_loss(self, record, normaliser: float, stats: dict[str, float]):
+        """The load-balancing loss of a micro-batch's routing, as a loss sum (times its share
+        `normaliser` of the step's normaliser, so the step's loss holds its token-weighted
+        mean times `router_aux_loss_coef`); adds the routing statistics to `stats`, weighted by
+        the micro-batch's tokens like the others."""
+        router = moe.find_routers(self.model)[0]
+        aux = moe.load_balancing_loss(record, router.num_experts, router.top_k)
+        tokens = stats["num_tokens"]
+        stats["moe/aux_loss"] = float(aux.detach()) * tokens
+        for layer, load in enumerate(moe.expert_loads(record, router.num_experts)):
+            stats[f"moe/expert_load_max/l{layer}"] = load * tokens
+        stats["moe/replay_agreed"] = float(record.agreed)
+        stats["moe/replay_compared"] = float(record.compared)
+        return self.router_aux_loss_coef * aux * normaliser
 
     def _forward(self, rows: Sequence[Mapping[str, Any]], *, with_entropy: bool):
         self.model.train()
@@ -212,6 +235,7 @@ class Learner:
         }
         for key in STAT_MEANS:
             out[key] = self._stats.get(key, 0.0) / tokens
+        out.update(routing_stats(self._stats, tokens))
         self._reset_step()
         return out
 
@@ -266,6 +290,21 @@ class Learner:
         self.version = int(state["version"])
 
 
+def routing_stats(sums: Mapping[str, float], tokens: float) -> dict[str, float]:
+    """A step's `moe/*` metrics from its token-weighted sums (none for a dense model):
+    `moe/aux_loss`, `moe/expert_load_max/l<layer>` and, with routing replay,
+    `moe/replay_agreement`, the share of replayed (token, layer) decisions the trainer's router
+    would have made the same way."""
+    out = {
+        k: v / tokens
+        for k, v in sums.items()
+        if k.startswith("moe/") and not k.startswith("moe/replay_")
+    }
+    if sums.get("moe/replay_compared"):
+        out["moe/replay_agreement"] = sums["moe/replay_agreed"] / sums["moe/replay_compared"]
+    return out
+
+
 def training_forward(
     model,
     rows: Sequence[Mapping[str, Any]],
@@ -280,11 +319,16 @@ def training_forward(
     prompts = [r["prompt_ids"] for r in rows]
     responses = [r["response_ids"] for r in rows]
     device = next(model.parameters()).device
-    batch = pack(prompts, responses, pad_token_id).to(device)
+    routes = [r[F.ROUTED_EXPERTS] for r in rows] if F.ROUTED_EXPERTS in rows[0] else None
+    batch = pack(prompts, responses, pad_token_id, None if padding_free else routes).to(device)
     if padding_free:  # the rows end to end in one sequence: no compute on padding
-        out = padding_free_logprobs(
-            model, prompts, responses, temperature, with_entropy=with_entropy
-        )
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        forced = None if routes is None else moe.padded_routes(routes, starts, sum(lengths))
+        with moe.replaying(model, None if forced is None else forced.to(device)):
+            out = padding_free_logprobs(
+                model, prompts, responses, temperature, with_entropy=with_entropy
+            )
     else:
         out = response_logprobs(model, batch, temperature, with_entropy=with_entropy)
     return loss_mask(batch.response_mask_br, rows), out

@@ -1,7 +1,9 @@
 """Per-token log-probs of responses under a model, laid out like the builtin engine's batches.
 
 Prompts are left-padded and responses right-padded, so every response starts at the same column
-and positions come from the attention mask exactly as during generation. The trainer, the
+and positions come from the attention mask exactly as during generation. Rows that carry the
+rollout's routed experts (mixture-of-experts models, `algorithm.routing_replay`) are computed
+with those experts (`streamrl.models.moe`). The trainer, the
 reference role and the pi_old role all use this one function, which is what keeps trainer and
 rollout log-probs within floating-point noise of each other on identical weights.
 """
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from streamrl.models import moe
+
 
 @dataclass
 class PackedBatch:
@@ -24,6 +28,7 @@ class PackedBatch:
     response_ids_br: torch.Tensor
     response_mask_br: torch.Tensor
     prompt_width: int
+    routes_nlk: torch.Tensor | None = None  # experts to replay per flattened token (`moe`)
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch with its tensors on `device`."""
@@ -33,12 +38,18 @@ class PackedBatch:
             self.response_ids_br.to(device),
             self.response_mask_br.to(device),
             self.prompt_width,
+            None if self.routes_nlk is None else self.routes_nlk.to(device),
         )
 
 
 def pack(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    routes: Sequence[np.ndarray] | None = None,
 ) -> PackedBatch:
+    """The rows padded into one batch; `routes` (each row's `routed_experts`, its positions
+    from the prompt's first token on) are laid out the same way for routing replay."""
     num = len(prompts)
     width_p = max(len(p) for p in prompts)
     width_r = max(max((len(r) for r in responses), default=0), 1)
@@ -52,7 +63,11 @@ def pack(
         attention[i, width_p - len(p) : width_p + len(r)] = 1
         response_ids[i, : len(r)] = _ids(r)
         response_mask[i, : len(r)] = 1.0
-    return PackedBatch(input_ids, attention, response_ids, response_mask, width_p)
+    routes_nlk = None
+    if routes is not None:
+        starts = [width_p - len(p) for p in prompts]
+        routes_nlk = moe.padded_routes(routes, starts, width_p + width_r, num)
+    return PackedBatch(input_ids, attention, response_ids, response_mask, width_p, routes_nlk)
 
 
 def _ids(seq: Sequence[int]) -> torch.Tensor:
@@ -69,12 +84,13 @@ def response_logprobs(
     full temperature-scaled distributions the tokens were drawn from."""
     position_ids = (batch.attention_mask_bt.cumsum(-1) - 1).clamp(min=0)
     width_r = batch.response_ids_br.shape[1]
-    logits = model(
-        input_ids=batch.input_ids_bt,
-        attention_mask=batch.attention_mask_bt,
-        position_ids=position_ids,
-        use_cache=False,
-    ).logits
+    with moe.replaying(model, batch.routes_nlk, batch.attention_mask_bt.reshape(-1)):
+        logits = model(
+            input_ids=batch.input_ids_bt,
+            attention_mask=batch.attention_mask_bt,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
     # The token at column c is predicted by the logits at column c - 1.
     start = batch.prompt_width - 1
     logits_br = logits[:, start : start + width_r, :].float()

@@ -43,6 +43,8 @@ def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
         extra.append(F.REF_LOGPROBS)
     if a.off_policy.proximal == "pi_old":
         extra.append(F.OLD_LOGPROBS)
+    if a.routing_replay == "rollout":
+        extra.append(F.ROUTED_EXPERTS)
     if cfg.agent.enabled:  # only the model's own tokens of an episode are trained
         extra += [F.LOSS_MASK, F.EPISODE]  # (the episode: its metrics per step)
     return tuple(extra)
@@ -68,6 +70,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         total_steps=t.steps,
         min_lr_ratio=a.min_lr_ratio,
         padding_free=t.padding_free,
+        router_aux_loss_coef=a.router_aux_loss_coef,
     )
     # Mixed precision: fp32 master weights whatever `model.dtype` (the engines' and scorers').
     dtype = "float32" if t.mixed_precision else ctx.cfg.model.dtype

@@ -39,7 +39,7 @@ def warm_start_key(cfg: Config) -> str:
     relevant = {
         # How the products are computed changes only their rounding, not what is trained; the
         # warm start trains and saves in fp32 whatever `model.dtype` the RL run loads it in.
-        "model": {**cfg.model.model_dump(exclude={"onednn_linears"}), "dtype": "float32"},
+        "model": {**cfg.model.model_dump(exclude=_unused_model_keys(cfg)), "dtype": "float32"},
         "warm_start": cfg.warm_start.model_dump(exclude=_OTHER_TASKS_TEACHER[cfg.data.task]),
         "digits": cfg.data.digits,
         "seed": cfg.run.seed,
@@ -48,6 +48,14 @@ def warm_start_key(cfg: Config) -> str:
     if cfg.data.task != "arith":
         relevant["task"] = cfg.data.task
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _unused_model_keys(cfg: Config) -> set[str]:
+    """Model settings that do not change the built model (a dense model's MoE settings)."""
+    unused = {"onednn_linears"}
+    if not cfg.model.num_experts:
+        unused |= {"num_experts", "experts_per_token"}
+    return unused
 
 
 def cached_policy_dir(cfg: Config) -> Path | None:
@@ -87,6 +95,8 @@ def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
         num_layers=cfg.model.num_layers,
         num_heads=cfg.model.num_heads,
         seed=cfg.run.seed,
+        num_experts=cfg.model.num_experts,
+        experts_per_token=cfg.model.experts_per_token,
     )
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
         run_sft(tmp, cfg, progress)

@@ -126,4 +126,6 @@ def merge_updates(outs: Sequence[Mapping[str, float]], epochs: int) -> dict[str,
     }
     for key in STAT_MEANS:
         out[key] = sum(o[key] * t for o, t in zip(outs, tokens, strict=True)) / total
+    for key in (k for k in outs[0] if k.startswith("moe/")):  # a mixture-of-experts model's
+        out[key] = sum(o.get(key, 0.0) * t for o, t in zip(outs, tokens, strict=True)) / total
     return out
