@@ -179,6 +179,9 @@ class DecoderRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.eps = config.rms_norm_eps
+        # Norm weights and attention scale folded into the projections: in fp32 only
+        # (`_LayerWeights`); below it the runner follows transformers' order of operations.
+        self.fold = self.dtype == torch.float32
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         # Mixture-of-experts layers: with `capture_routes`, every pass leaves the experts it
@@ -197,7 +200,9 @@ class DecoderRunner:
     def refresh(self) -> None:
         """Rebuild everything derived from the model's parameters (call after they change)."""
         self.layers = [
-            _LayerWeights.of(layer, self.num_heads, self.num_kv_heads, self.use_onednn)
+            _LayerWeights.of(
+                layer, self.num_heads, self.num_kv_heads, self.use_onednn, self.fold
+            )
             for layer in self.model.model.layers
         ]
         head = self.model.lm_head
@@ -255,6 +260,9 @@ class DecoderRunner:
 
         def attend(layer: int, q_nhd, k_nhd, v_nhd):
             self._write_cache(layer, index, k_nhd, v_nhd)
+            if not self.fold:
+                q, k, v = (t.view(num, width, -1, dim).transpose(1, 2) for t in (q_nhd, k_nhd, v_nhd))
+                return self._fused_attention(layer, q, k, v, ~future)
             # [prompt * kv head, ..., D], queries ordered (group, position) within a block
             q, k, v = (
                 t.view(num, width, self.num_kv_heads, -1, dim).permute(0, 2, 3, 1, 4)
@@ -293,6 +301,14 @@ class DecoderRunner:
 
         def attend(layer: int, q_bhd, k_bhd, v_bhd):
             self._write_cache(layer, index, k_bhd, v_bhd)
+            if not self.fold:
+                return self._fused_attention(
+                    layer,
+                    q_bhd.view(num, -1, 1, dim),
+                    self.k_cache[layer][:num, :, :width],
+                    self.v_cache[layer][:num, :, :width],
+                    ~hidden[:, None, None, :],
+                )
             keys = self.k_cache[layer][:num, :, :width].reshape(-1, width, dim)
             values = self.v_cache[layer][:num, :, :width].reshape(-1, width, dim)
             queries = q_bhd.reshape(-1, group, dim)
@@ -309,22 +325,40 @@ class DecoderRunner:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         routes: list[torch.Tensor] = []
         for i, w in enumerate(self.layers):
-            qkv = w.qkv(_rms_normalize(x, self.eps))
+            qkv = w.qkv(_rms_normalize(x, self.eps, w.in_norm))
             qk = qkv[:, : (heads + kv_heads) * dim].view(num, heads + kv_heads, dim)
             v = qkv[:, (heads + kv_heads) * dim :].view(num, kv_heads, dim)
             if w.qk_norm is not None:
                 qk = _rms_normalize(qk, self.eps).mul_(w.qk_norm)
-            qk = torch.addcmul(qk * cos_n1d, qk.roll(dim // 2, -1), sin_n1d)  # rotary, q and k
-            x = w.o.add_to(x, attend(i, qk[:, :heads], qk[:, heads:], v))
+            if self.fold:  # rotary, q and k
+                qk = torch.addcmul(qk * cos_n1d, qk.roll(dim // 2, -1), sin_n1d)
+            else:  # each product rounded, as transformers does
+                qk = qk * cos_n1d + qk.roll(dim // 2, -1) * sin_n1d
+            attended = attend(i, qk[:, :heads], qk[:, heads:], v)
+            # Folded: the residual add inside the matmul; else rounded apart, as transformers.
+            x = w.o.add_to(x, attended) if self.fold else x + w.o(attended)
             if w.moe is not None:
                 out, experts_nk = w.moe(_rms_normalize(x, self.eps))
                 x = x + out
                 routes.append(experts_nk)
                 continue
-            gate, up = w.gate_up(_rms_normalize(x, self.eps)).chunk(2, dim=-1)
-            x = w.down.add_to(x, F.silu(gate).mul_(up))
+            gate, up = w.gate_up(_rms_normalize(x, self.eps, w.post_norm)).chunk(2, dim=-1)
+            x = w.down.add_to(x, F.silu(gate).mul_(up)) if self.fold else x + w.down(F.silu(gate) * up)
         self.routes = torch.stack(routes, dim=1) if self.capture_routes else None
         return x
+
+    def _fused_attention(self, layer: int, q_nhqd, k_nhkd, v_nhkd, allowed) -> torch.Tensor:
+        """Below fp32 (no folding): attention by PyTorch's fused kernel, the one the trainer's
+        transformers model calls, with the layer's scale and keys and values repeated per query
+        group as transformers repeats them, so engine and trainer round alike. Queries
+        [n, heads, q, D], keys and values [n, kv_heads, k, D], `allowed` broadcast to
+        [n, 1, q, k]; returns [n * q, heads * D]."""
+        group = self.num_heads // self.num_kv_heads
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k_nhkd, v_nhkd))
+        out = F.scaled_dot_product_attention(
+            q_nhqd, k, v, attn_mask=allowed, scale=self.layers[layer].scale
+        )
+        return out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
 
     def _logits(self, hidden_bh: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_normalize(hidden_bh, self.eps) * self.model.model.norm.weight)
@@ -346,48 +380,69 @@ class DecoderRunner:
         return torch.arange(n, device=self.device)
 
 
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension without a weight (the callers fold it elsewhere), the
-    statistic in fp32; one fused reduction (the vector norm) instead of square, then mean."""
+def _rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension, the statistic in fp32; one fused reduction (the vector
+    norm) instead of square, then mean. Without `weight` the caller folds it elsewhere."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-    return x * norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_().to(x.dtype)
+    scale = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    if x.dtype == torch.float32:
+        out = x * scale
+    else:
+        # Below fp32, the product in fp32 rounded once, as transformers' RMSNorm does: a scale
+        # rounded to bf16 first would be off by up to 0.4% for every feature of the token alike.
+        out = (x.float() * scale).to(x.dtype)
+    return out if weight is None else weight * out
 
 
 @dataclass
 class _LayerWeights:
-    """One decoder layer's projections as the runner computes them."""
+    """One decoder layer's projections as the runner computes them.
 
-    qkv: _Linear  # [q; k; v] rows, times the input norm's weight (columns)
+    In fp32 the norms' weights and the attention scale are folded into the projections (`fold`):
+    fewer ops, the same numbers to fp32 rounding. Below fp32 folding would round every folded
+    weight once more, so there the norms' weights stay apart (`in_norm`, `post_norm`) and the
+    scale is applied to the scores (`scale`), the order of operations transformers uses."""
+
+    qkv: _Linear  # [q; k; v] rows (with `fold`: times the input norm's weight, columns)
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm rows, then k_norm rows
     o: _Linear
-    gate_up: _Linear | None  # [gate; up] rows, times the post-attention norm's weight (columns)
+    gate_up: _Linear | None  # [gate; up] rows (with `fold`: times the post-attention norm's)
     down: _Linear | None
     moe: _Experts | None = None  # a mixture-of-experts layer's MLP (then no gate_up, down)
+    in_norm: torch.Tensor | None = None  # without `fold`: the norms' weights
+    post_norm: torch.Tensor | None = None
+    scale: float = 1.0  # without `fold`: the attention scale, applied to the scores
 
     @classmethod
-    def of(cls, layer, num_heads: int, num_kv_heads: int, onednn: bool) -> _LayerWeights:
+    def of(
+        cls, layer, num_heads: int, num_kv_heads: int, onednn: bool, fold: bool = True
+    ) -> _LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        # The attention scale goes into the queries: into the query norm's weight when there is
-        # one, else into the query projection.
-        q_scale, qk_norm = attn.scaling, None
+        # Folded, the attention scale goes into the queries: into the query norm's weight when
+        # there is one, else into the query projection.
+        q_scale = attn.scaling if fold else 1.0
+        qk_norm = None
         if hasattr(attn, "q_norm"):
-            q_norm = attn.q_norm.weight.expand(num_heads, -1) * attn.scaling
+            q_norm = attn.q_norm.weight.expand(num_heads, -1) * q_scale
             qk_norm = torch.cat([q_norm, attn.k_norm.weight.expand(num_kv_heads, -1)])
             q_scale = 1.0
+        in_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv_linear = _Linear(*_fuse(qkv, [q_scale, 1.0, 1.0], layer.input_layernorm), onednn)
-        o = _Linear(attn.o_proj.weight, attn.o_proj.bias, onednn)
-        if hasattr(mlp, "experts"):
-            moe = _Experts(mlp, layer.post_attention_layernorm.weight)
-            return cls(qkv=qkv_linear, qk_norm=qk_norm, o=o, gate_up=None, down=None, moe=moe)
-        return cls(
-            qkv=qkv_linear,
+        common = dict(
+            qkv=_Linear(*_fuse(qkv, [q_scale, 1.0, 1.0], in_norm if fold else None), onednn),
             qk_norm=qk_norm,
-            o=o,
-            gate_up=_Linear(
-                *_fuse([mlp.gate_proj, mlp.up_proj], [1.0, 1.0], layer.post_attention_layernorm),
-                onednn,
-            ),
+            o=_Linear(attn.o_proj.weight, attn.o_proj.bias, onednn),
+            in_norm=None if fold else in_norm.weight,
+            post_norm=None if fold else post_norm.weight,
+            scale=1.0 if fold else attn.scaling,
+        )
+        if hasattr(mlp, "experts"):
+            moe = _Experts(mlp, post_norm.weight)
+            return cls(**{**common, "post_norm": None}, gate_up=None, down=None, moe=moe)
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], [1.0, 1.0], post_norm if fold else None)
+        return cls(
+            **common,
+            gate_up=_Linear(*gate_up, onednn),
             down=_Linear(mlp.down_proj.weight, mlp.down_proj.bias, onednn),
         )
 
@@ -422,9 +477,11 @@ class _Experts:
 
 def _fuse(linears, scales: list[float], norm) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) computing all of `linears`, block i times scales[i], on the output
-    of RMSNorm `norm` taken without its weight: linear(rms(x) * g, W) == linear(rms(x), W * g)."""
+    of RMSNorm `norm` taken without its weight: linear(rms(x) * g, W) == linear(rms(x), W * g).
+    `norm` None: on the norm's whole output (its weight applied by the caller)."""
     weight = torch.cat([m.weight * s for m, s in zip(linears, scales, strict=True)])
-    weight *= norm.weight[None, :]
+    if norm is not None:
+        weight *= norm.weight[None, :]
     if all(m.bias is None for m in linears):
         return weight, None
     biases = [

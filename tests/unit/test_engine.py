@@ -174,6 +174,11 @@ def tiny_family_model(family: str):
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **shape))
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **shape
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
     else:
@@ -182,15 +187,22 @@ def tiny_family_model(family: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("use_onednn", [True, False], ids=["onednn", "f.linear"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
-def test_runner_matches_the_models_own_forward(family: str, use_onednn: bool) -> None:
+@pytest.mark.parametrize(
+    ("use_onednn", "dtype"),
+    [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
+    ids=["onednn", "f.linear", "bf16"],
+)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2", "llama"])
+def test_runner_matches_the_models_own_forward(family: str, use_onednn: bool, dtype) -> None:
     """Prefill into scattered slots (one prompt twice: computed once, its rows copied), pack the
-    rows to the front as the engine does, decode: every step's logits are the model's own."""
+    rows to the front as the engine does, decode: every step's logits are the model's own (in
+    bf16 to within its rounding: the runner keeps transformers' order of operations there)."""
     if use_onednn and not onednn_linear_usable(torch.device("cpu"), torch.float32):
         pytest.skip("this PyTorch build has no oneDNN linear")
-    model = tiny_family_model(family)
+    model = tiny_family_model(family).to(dtype)
     runner = DecoderRunner(model, use_onednn=use_onednn)
+    # bf16: bit for bit here; folded weights (the fp32 path) would be off by 1e-3 and more.
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-4, rtol=0)
     runner.allocate(num_slots=4, max_len=12)
     sequences = [[5, 9, 3, 7, 1], [4, 2], [5, 9, 3, 7, 1]]
     fed = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
@@ -201,7 +213,7 @@ def test_runner_matches_the_models_own_forward(family: str, use_onednn: bool) ->
 
     with torch.no_grad():
         logits = runner.prefill(slots, sequences)
-        torch.testing.assert_close(logits, models_own_logits(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, models_own_logits(), **tolerance)
         runner.move_rows(slots, torch.arange(3), num_columns=5)
         for step in range(3):
             tokens = [f[step] for f in fed]
@@ -209,7 +221,7 @@ def test_runner_matches_the_models_own_forward(family: str, use_onednn: bool) ->
             for sequence, token in zip(sequences, tokens, strict=True):
                 sequence.append(token)
             logits = runner.decode(torch.tensor(tokens), positions)
-            torch.testing.assert_close(logits, models_own_logits(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits, models_own_logits(), **tolerance)
 
 
 def test_unsupported_architectures_are_refused_with_a_clear_error() -> None:

@@ -1,0 +1,165 @@
+"""Rollout routing replay (R3) on the built-in Qwen3-MoE in bf16: log-prob mismatch and cost.
+
+Two measurements, side by side in one invocation, on `examples/moe.yaml`'s model (the built-in
+tiny model as a Qwen3-MoE, 8 experts a layer, 2 per token, warm-started; built once and cached
+like the demo's warm start):
+
+1. Mismatch. The builtin engine in bf16 samples `--samples` responses to the task's prompts and
+   records its routing; the trainer's forward (transformers, bf16, the same weights) scores
+   them without replay and with the engine's experts replayed. Printed: mean and max
+   |engine log-prob - trainer log-prob| over the response tokens for each, the share of routing
+   decisions that flip between the two, and the reductions replay brings.
+2. Overhead. `--pairs` pairs of end-to-end runs of the example in bf16 (`trainer.steps` steps,
+   no evaluation), replay off and on, alternated so that the machine's drift hits both; per
+   run the seconds per step of its RL phase. The overhead is the median over pairs of
+   (on - off) / off, printed last as `overhead 0.0xx`.
+
+    python benchmarks/routing_replay.py [--samples 512] [--pairs 3] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common import REPO, train_command
+
+EXAMPLE = REPO / "examples" / "moe.yaml"
+
+
+def moe_config(overrides: list[str]):
+    from streamrl.config.loader import load_config
+
+    return load_config([str(EXAMPLE), *overrides])
+
+
+def mismatch(samples: int) -> dict[str, float]:
+    import numpy as np
+    import torch
+
+    from streamrl.api import fields as F
+    from streamrl.data.dataset import builtin_rows
+    from streamrl.data.feeder import PromptFeeder
+    from streamrl.models import moe
+    from streamrl.models.loading import load_causal_lm, load_tokenizer
+    from streamrl.rollout.builtin_engine import BuiltinEngine
+    from streamrl.rollout.engines import sampling_params
+    from streamrl.rollout.service import result_fields, to_requests
+    from streamrl.trainer.learner import detached_logprobs
+    from streamrl.trainer.sft import ensure_policy_dir
+
+    cfg = moe_config([f"run.cache_dir={REPO / '.cache' / 'streamrl'}"])
+    policy = ensure_policy_dir(cfg)
+    tokenizer = load_tokenizer(policy)
+    group = cfg.rollout.group_size
+    feeder = PromptFeeder(
+        builtin_rows(1_000, digits=cfg.data.digits, seed=cfg.run.seed, split="train"),
+        tokenizer,
+        batch_prompts=max(1, samples // group),
+        group_size=group,
+        seed=0,
+    )
+    rows = [{"sample_id": row["sample_id"], **row["fields"]} for row in feeder.batch(0)]
+    torch.manual_seed(0)
+    engine = BuiltinEngine(
+        load_causal_lm(policy, dtype="bfloat16"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
+        capture_routes=True,
+    )
+    results = engine.generate(to_requests(rows), sampling_params(cfg))
+    scored = [{**row, **result_fields(r)} for row, r in zip(rows, results, strict=True)]
+    trainer = load_causal_lm(policy, dtype="bfloat16")
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, temperature=cfg.rollout.temperature)
+    kwargs["padding_free"] = False
+    out: dict[str, float] = {}
+    for name, batch in (
+        ("native", [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in scored]),
+        ("replay", scored),
+    ):
+        gaps, agreed, compared = [], 0, 0
+        for lo in range(0, len(batch), 64):
+            chunk = batch[lo : lo + 64]
+            with moe.recording(trainer) as record:
+                logprobs = detached_logprobs(trainer, chunk, **kwargs)
+            gaps += [np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(chunk, logprobs, strict=True)]
+            if name == "native":  # the trainer's own choices against the engine's
+                agreed, compared = _agreement(record, scored[lo : lo + 64], agreed, compared)
+        gap = np.concatenate(gaps)
+        out[f"{name}_mean"], out[f"{name}_max"] = float(gap.mean()), float(gap.max())
+        if name == "native":
+            out["flipped"] = 1.0 - agreed / max(compared, 1)
+    out["tokens"] = float(len(gap))
+    return out
+
+
+def _agreement(record, rows, agreed: int, compared: int) -> tuple[int, int]:
+    """Add the (token, layer) routing decisions of `rows` where the trainer's own experts equal
+    the engine's (as sets) to `agreed`, and all of them to `compared`."""
+    import torch
+
+    from streamrl.api import fields as F
+
+    valid = record.valid_tokens()
+    for layer, per_call in enumerate(record.experts):
+        used = torch.cat(per_call)[valid].sort(-1).values
+        offset = 0
+        for r in rows:
+            routes = torch.from_numpy(r[F.ROUTED_EXPERTS][:, layer].astype("int64"))
+            n = len(routes)
+            agreed += int((used[offset : offset + n] == routes.sort(-1).values).all(-1).sum())
+            compared += n
+            offset += n + 1  # the last token's position ran nowhere in the engine
+    return agreed, compared
+
+
+def seconds_per_step(replay: str, steps: int, out: Path) -> float:
+    cmd, env = train_command(
+        out,
+        [
+            str(EXAMPLE),
+            "model.dtype=bfloat16",
+            f"algorithm.routing_replay={replay}",
+            f"trainer.steps={steps}",
+            "trainer.eval_every=0",
+        ],
+    )
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads((out / "summary.json").read_text())
+    return summary["rl_wall_time_s"] / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+
+    m = mismatch(args.samples)
+    print(f"bf16 engine vs trainer over {int(m['tokens'])} response tokens")
+    print(f"  without replay: mean |delta log-prob| {m['native_mean']:.5f}  max {m['native_max']:.4f}")
+    print(f"  with replay:    mean |delta log-prob| {m['replay_mean']:.5f}  max {m['replay_max']:.4f}")
+    print(f"  routing decisions that flip without replay: {m['flipped']:.4f}")
+    mean_cut = 1 - m["replay_mean"] / m["native_mean"]
+    max_cut = 1 - m["replay_max"] / m["native_max"]
+    print(f"mean reduction {mean_cut:.3f}")
+    print(f"max reduction {max_cut:.3f}")
+
+    ratios = []
+    with tempfile.TemporaryDirectory(prefix="routing-replay-") as tmp:
+        for k in range(args.pairs):
+            off = seconds_per_step("off", args.steps, Path(tmp) / f"off-{k}")
+            on = seconds_per_step("rollout", args.steps, Path(tmp) / f"on-{k}")
+            ratios.append((on - off) / off)
+            print(f"pair {k}: s/step off {off:.3f}  on {on:.3f}  ({ratios[-1]:+.3f})")
+    print(f"overhead {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
