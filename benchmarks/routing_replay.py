@@ -87,7 +87,9 @@ def mismatch(samples: int) -> dict[str, float]:
             chunk = batch[lo : lo + 64]
             with moe.recording(trainer) as record:
                 logprobs = detached_logprobs(trainer, chunk, **kwargs)
-            gaps += [np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(chunk, logprobs, strict=True)]
+            gaps += [
+                np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(chunk, logprobs, strict=True)
+            ]
             if name == "native":  # the trainer's own choices against the engine's
                 agreed, compared = _agreement(record, scored[lo : lo + 64], agreed, compared)
         gap = np.concatenate(gaps)
@@ -143,8 +145,12 @@ def main() -> None:
 
     m = mismatch(args.samples)
     print(f"bf16 engine vs trainer over {int(m['tokens'])} response tokens")
-    print(f"  without replay: mean |delta log-prob| {m['native_mean']:.5f}  max {m['native_max']:.4f}")
-    print(f"  with replay:    mean |delta log-prob| {m['replay_mean']:.5f}  max {m['replay_max']:.4f}")
+    print(
+        f"  without replay: mean |delta log-prob| {m['native_mean']:.5f}  max {m['native_max']:.4f}"
+    )
+    print(
+        f"  with replay:    mean |delta log-prob| {m['replay_mean']:.5f}  max {m['replay_max']:.4f}"
+    )
     print(f"  routing decisions that flip without replay: {m['flipped']:.4f}")
     mean_cut = 1 - m["replay_mean"] / m["native_mean"]
     max_cut = 1 - m["replay_max"] / m["native_max"]

@@ -223,13 +223,13 @@ def load_balancing_loss(record: RoutingRecord, num_experts: int, top_k: int):
     return load_balancing_loss_func(logits, num_experts, top_k, mask)
 
 
-def expert_loads(record: RoutingRecord, num_experts: int) -> list[float]:
-    """Per MoE layer: the busiest expert's share of the routed slots times the number of experts
-    (1.0 when every expert takes the same share, `num_experts` when one takes all)."""
-    loads = []
+def expert_counts(record: RoutingRecord, num_experts: int) -> list[list[float]]:
+    """Per MoE layer, per expert: the real tokens routed to it (each token counts once for each
+    of its k experts)."""
     valid_n = record.valid_tokens()
-    for per_layer in record.experts:
-        experts_nk = torch.cat(per_layer)[valid_n]
-        counts = torch.bincount(experts_nk.reshape(-1), minlength=num_experts).float()
-        loads.append(float(counts.max() / counts.sum().clamp(min=1) * num_experts))
-    return loads
+    return [
+        torch.bincount(torch.cat(per_layer)[valid_n].reshape(-1), minlength=num_experts)
+        .float()
+        .tolist()
+        for per_layer in record.experts
+    ]

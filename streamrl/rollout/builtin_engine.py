@@ -200,9 +200,7 @@ class DecoderRunner:
     def refresh(self) -> None:
         """Rebuild everything derived from the model's parameters (call after they change)."""
         self.layers = [
-            _LayerWeights.of(
-                layer, self.num_heads, self.num_kv_heads, self.use_onednn, self.fold
-            )
+            _LayerWeights.of(layer, self.num_heads, self.num_kv_heads, self.use_onednn, self.fold)
             for layer in self.model.model.layers
         ]
         head = self.model.lm_head
@@ -261,7 +259,9 @@ class DecoderRunner:
         def attend(layer: int, q_nhd, k_nhd, v_nhd):
             self._write_cache(layer, index, k_nhd, v_nhd)
             if not self.fold:
-                q, k, v = (t.view(num, width, -1, dim).transpose(1, 2) for t in (q_nhd, k_nhd, v_nhd))
+                q, k, v = (
+                    t.view(num, width, -1, dim).transpose(1, 2) for t in (q_nhd, k_nhd, v_nhd)
+                )
                 return self._fused_attention(layer, q, k, v, ~future)
             # [prompt * kv head, ..., D], queries ordered (group, position) within a block
             q, k, v = (
@@ -343,7 +343,11 @@ class DecoderRunner:
                 routes.append(experts_nk)
                 continue
             gate, up = w.gate_up(_rms_normalize(x, self.eps, w.post_norm)).chunk(2, dim=-1)
-            x = w.down.add_to(x, F.silu(gate).mul_(up)) if self.fold else x + w.down(F.silu(gate) * up)
+            x = (
+                w.down.add_to(x, F.silu(gate).mul_(up))
+                if self.fold
+                else x + w.down(F.silu(gate) * up)
+            )
         self.routes = torch.stack(routes, dim=1) if self.capture_routes else None
         return x
 

@@ -59,7 +59,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from streamrl.metrics.memory import process_peak_bytes
-from streamrl.trainer.learner import STAT_MEANS, Learner
+from streamrl.trainer.learner import STAT_MEANS, Learner, routing_stat_keys
 from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
 
@@ -275,7 +275,7 @@ class FSDPLearner(Learner):
         peaks[dist.get_rank() if world > 1 else 0] = float(process_peak_bytes(self.device.type))
         if world > 1:
             # One all-reduce of fixed keys (a rank with no rows has no statistics yet).
-            keys = ("num_tokens", "mismatch_abs_sum", *STAT_MEANS)
+            keys = ("num_tokens", "mismatch_abs_sum", *STAT_MEANS, *routing_stat_keys(self.model))
             sums = torch.tensor(
                 [self._loss_sum, *(self._stats.get(k, 0.0) for k in keys), *peaks],
                 dtype=torch.float64,

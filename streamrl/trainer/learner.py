@@ -157,8 +157,9 @@ class Learner:
         aux = moe.load_balancing_loss(record, router.num_experts, router.top_k)
         tokens = stats["num_tokens"]
         stats["moe/aux_loss"] = float(aux.detach()) * tokens
-        for layer, load in enumerate(moe.expert_loads(record, router.num_experts)):
-            stats[f"moe/expert_load_max/l{layer}"] = load * tokens
+        for layer, counts in enumerate(moe.expert_counts(record, router.num_experts)):
+            for expert, count in enumerate(counts):
+                stats[f"moe/count/l{layer}/e{expert}"] = count
         stats["moe/replay_agreed"] = float(record.agreed)
         stats["moe/replay_compared"] = float(record.compared)
         return self.router_aux_loss_coef * aux * normaliser
@@ -290,16 +291,32 @@ class Learner:
         self.version = int(state["version"])
 
 
+def routing_stat_keys(model) -> tuple[str, ...]:
+    """The `moe/*` statistics `Learner.accumulate` sums for `model` (none for a dense one)."""
+    routers = moe.find_routers(model)
+    counts = (
+        f"moe/count/l{layer}/e{expert}"
+        for layer in range(len(routers))
+        for expert in range(routers[0].num_experts)
+    )
+    return ("moe/aux_loss", *counts, "moe/replay_agreed", "moe/replay_compared") if routers else ()
+
+
 def routing_stats(sums: Mapping[str, float], tokens: float) -> dict[str, float]:
-    """A step's `moe/*` metrics from its token-weighted sums (none for a dense model):
+    """A step's `moe/*` metrics from its sums over micro-batches (none for a dense model):
     `moe/aux_loss`, `moe/expert_load_max/l<layer>` and, with routing replay,
     `moe/replay_agreement`, the share of replayed (token, layer) decisions the trainer's router
     would have made the same way."""
-    out = {
-        k: v / tokens
-        for k, v in sums.items()
-        if k.startswith("moe/") and not k.startswith("moe/replay_")
-    }
+    if "moe/aux_loss" not in sums:
+        return {}
+    out = {"moe/aux_loss": sums["moe/aux_loss"] / tokens}
+    counts: dict[str, list[float]] = {}
+    for key, value in sums.items():
+        if key.startswith("moe/count/"):
+            counts.setdefault(key.split("/")[2], []).append(value)
+    for layer, per_expert in counts.items():
+        total = max(sum(per_expert), 1.0)
+        out[f"moe/expert_load_max/{layer}"] = max(per_expert) / total * len(per_expert)
     if sums.get("moe/replay_compared"):
         out["moe/replay_agreement"] = sums["moe/replay_agreed"] / sums["moe/replay_compared"]
     return out

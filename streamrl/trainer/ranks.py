@@ -73,6 +73,7 @@ LEARNER_FIELDS = (
     "prox_logprobs",
     "ref_logprobs",
     "versions",
+    "routed_experts",
     "loss_mask",
 )
 _ACCUMULATE, _STEP, _WEIGHTS, _SAVE, _LOAD, _SET_VERSION, _STOP = range(7)

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ ROWS = 10
 # (FSDP runs in lockstep). (4, 5) and (9, 10) hold one zero-advantage row each and (10, 10) no
 # row at all, so both ranks also run zero passes.
 SPLITS = {0: [(0, 1), (1, 4), (4, 5)], 1: [(5, 9), (9, 10), (10, 10)]}
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 CLIP = 0.05  # below step 2's gradient norm, so clipping binds (checked below)
 
 
@@ -114,8 +116,23 @@ class ToyDecoder(nn.Module):
         return self.heads[0](x)
 
 
-def rank_main(rank: int, model_dirs: list[str], port: int, out_dir: str) -> None:
-    """`model_dirs[rank]`: the tiny model for rank 0; config.json alone for rank 1."""
+def moe_rows() -> list[dict[str, Any]]:
+    """`random_rows` with routed experts for each position but the last (as an engine records
+    them: `MOE_TOP_K` distinct experts of `MOE_EXPERTS` per position and layer)."""
+    rng = np.random.default_rng(7)
+    rows = random_rows(ROWS)
+    for row in rows:
+        positions = len(row["prompt_ids"]) + len(row["response_ids"]) - 1
+        routes = [rng.permutation(MOE_EXPERTS)[:MOE_TOP_K] for _ in range(positions * NUM_LAYERS)]
+        row["routed_experts"] = np.array(routes, np.uint8).reshape(positions, NUM_LAYERS, -1)
+    return rows
+
+
+def rank_main(
+    rank: int, model_dirs: list[str], port: int, out_dir: str, moe_dirs: list[str]
+) -> None:
+    """`model_dirs[rank]`: the tiny model for rank 0; config.json alone for rank 1 (and the
+    same of the tiny MoE model in `moe_dirs`)."""
     torch.set_num_threads(1)  # two ranks on two (shared) cores
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}")
     try:
@@ -167,6 +184,10 @@ def rank_main(rank: int, model_dirs: list[str], port: int, out_dir: str) -> None
         shard_model(toy, data_parallel_mesh("cpu"))
         out["toy_wrapped"] = [isinstance(m, FSDPModule) for m in (toy, *toy.blocks, *toy.heads)]
         out["toy_equal"] = torch.allclose(toy(ids), expected, rtol=1e-6, atol=1e-7)
+
+        learner = build_learner(Path(moe_dirs[rank]), fsdp={})  # routes replayed on each rank
+        out["moe"] = train_step(learner, moe_rows(), rank)
+        out["moe_weights"] = learner.named_weights()
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # leave together: an early teardown can abort the peer (see tests.distributed)
     finally:
@@ -180,12 +201,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-moe")
+    return build_tiny_model_dir(
+        out,
+        hidden_size=32,
+        num_layers=NUM_LAYERS,
+        num_heads=2,
+        seed=0,
+        num_experts=MOE_EXPERTS,
+        experts_per_token=MOE_TOP_K,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_ranks(
+    model_dir: Path, moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     out_dir = tmp_path_factory.mktemp("fsdp")
-    config_only = tmp_path_factory.mktemp("config_only")  # rank 1 cannot read any weights
-    shutil.copy(model_dir / "config.json", config_only / "config.json")
-    dirs = [str(model_dir), str(config_only)]
-    mp.spawn(rank_main, args=(dirs, free_port(), str(out_dir)), nprocs=2)
+    dirs = []
+    for source in (model_dir, moe_dir):  # rank 1 cannot read any weights
+        config_only = tmp_path_factory.mktemp("config_only")
+        shutil.copy(source / "config.json", config_only / "config.json")
+        dirs.append([str(source), str(config_only)])
+    mp.spawn(rank_main, args=(dirs[0], free_port(), str(out_dir), dirs[1]), nprocs=2)
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return {"ranks": ranks, "ckpt": out_dir / "ckpt"}
 
@@ -200,6 +239,25 @@ def reference(model_dir: Path) -> dict[str, Any]:
     metrics.append(train_step(learner, random_rows(ROWS, seed=1), None))
     weights.append(learner.named_weights())
     return {"metrics": metrics, "weights": weights}
+
+
+def test_a_moe_model_with_routing_replay_trains_alike_on_two_ranks(
+    two_ranks: dict[str, Any], moe_dir: Path
+) -> None:
+    """FSDP2 shards the experts and the routers; each rank replays its rows' routes; the step
+    lands where one process on the whole batch does, with the same router statistics."""
+    learner = build_learner(moe_dir)
+    expected = train_step(learner, moe_rows(), None)
+    assert "moe/aux_loss" in expected and "moe/expert_load_max/l1" in expected
+    assert 0.0 < expected["moe/replay_agreement"] < 1.0  # random routes: the router disagrees
+    rank0, rank1 = two_ranks["ranks"]
+    # The load-balancing loss is taken per micro-batch (as transformers takes it per forward):
+    # its mean over the ranks' micro-batches is near, not equal to, the whole batch's.
+    aux = expected.pop("moe/aux_loss")
+    for rank in (rank0, rank1):
+        assert rank["moe"].pop("moe/aux_loss") == pytest.approx(aux, rel=0.1)
+        assert rank["moe"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert_weights_close(rank0["moe_weights"], learner.named_weights(), atol=1e-6, rtol=1e-5)
 
 
 def assert_weights_close(got: dict, expected: dict, **tol: float) -> None:
