@@ -37,7 +37,33 @@ def moe_config(overrides: list[str]):
     return load_config([str(EXAMPLE), *overrides])
 
 
-def mismatch(samples: int) -> dict[str, float]:
+def make_engine(name: str, policy, tokenizer):
+    """The engine `name` (builtin or vllm) over `policy` in bf16, recording its routing."""
+    if name == "vllm":
+        from streamrl.config.schema import VllmConfig
+        from streamrl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(
+            policy,
+            eos_token_id=tokenizer.eos_token_id,
+            config=VllmConfig(),
+            model_dtype="bfloat16",
+            max_num_seqs=512,
+            capture_routes=True,
+        )
+    from streamrl.models.loading import load_causal_lm
+    from streamrl.rollout.builtin_engine import BuiltinEngine
+
+    return BuiltinEngine(
+        load_causal_lm(policy, dtype="bfloat16"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
+        capture_routes=True,
+    )
+
+
+def mismatch(samples: int, engine_name: str, *, random_weights: bool = False) -> dict[str, float]:
     import numpy as np
     import torch
 
@@ -46,14 +72,27 @@ def mismatch(samples: int) -> dict[str, float]:
     from streamrl.data.feeder import PromptFeeder
     from streamrl.models import moe
     from streamrl.models.loading import load_causal_lm, load_tokenizer
-    from streamrl.rollout.builtin_engine import BuiltinEngine
     from streamrl.rollout.engines import sampling_params
     from streamrl.rollout.service import result_fields, to_requests
     from streamrl.trainer.learner import detached_logprobs
     from streamrl.trainer.sft import ensure_policy_dir
 
     cfg = moe_config([f"run.cache_dir={REPO / '.cache' / 'streamrl'}"])
-    policy = ensure_policy_dir(cfg)
+    if random_weights:
+        from streamrl.models.tiny import build_tiny_model_dir
+
+        m = cfg.model
+        policy = build_tiny_model_dir(
+            Path(tempfile.mkdtemp(prefix="tiny-moe-")),
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            seed=cfg.run.seed,
+            num_experts=m.num_experts,
+            experts_per_token=m.experts_per_token,
+        )
+    else:
+        policy = ensure_policy_dir(cfg)
     tokenizer = load_tokenizer(policy)
     group = cfg.rollout.group_size
     feeder = PromptFeeder(
@@ -65,14 +104,10 @@ def mismatch(samples: int) -> dict[str, float]:
     )
     rows = [{"sample_id": row["sample_id"], **row["fields"]} for row in feeder.batch(0)]
     torch.manual_seed(0)
-    engine = BuiltinEngine(
-        load_causal_lm(policy, dtype="bfloat16"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tokenizer=tokenizer,
-        capture_routes=True,
-    )
+    engine = make_engine(engine_name, policy, tokenizer)
     results = engine.generate(to_requests(rows), sampling_params(cfg))
+    if hasattr(engine, "close"):
+        engine.close()
     scored = [{**row, **result_fields(r)} for row, r in zip(rows, results, strict=True)]
     trainer = load_causal_lm(policy, dtype="bfloat16")
     kwargs = dict(pad_token_id=tokenizer.pad_token_id, temperature=cfg.rollout.temperature)
@@ -131,39 +166,44 @@ def seconds_per_step(replay: str, steps: int, out: Path) -> float:
             "trainer.eval_every=0",
         ],
     )
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)  # noqa: S603
     summary = json.loads((out / "summary.json").read_text())
     return summary["rl_wall_time_s"] / steps
+
+
+def report(engine: str, m: dict[str, float]) -> None:
+    print(f"{engine}: bf16 engine vs trainer over {int(m['tokens'])} response tokens")
+    for name, label in (("native", "without replay"), ("replay", "with replay   ")):
+        print(
+            f"  {label}: mean |delta log-prob| {m[name + '_mean']:.6f}  max {m[name + '_max']:.4f}"
+        )
+    print(f"  routing decisions that flip without replay: {m['flipped']:.4f}")
+    print(f"{engine}: mean reduction {1 - m['replay_mean'] / m['native_mean']:.3f}")
+    print(f"{engine}: max reduction {1 - m['replay_max'] / m['native_max']:.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--engines", default="builtin,vllm", help="engines of the mismatch part")
+    parser.add_argument(
+        "--random", action="store_true", help="a random-weight tiny MoE instead of the warm start"
+    )
+    parser.add_argument("--pairs", type=int, default=2, help="0: no overhead runs")
+    parser.add_argument("--steps", type=int, default=8, help="steps of each overhead run")
     args = parser.parse_args()
 
-    m = mismatch(args.samples)
-    print(f"bf16 engine vs trainer over {int(m['tokens'])} response tokens")
-    print(
-        f"  without replay: mean |delta log-prob| {m['native_mean']:.5f}  max {m['native_max']:.4f}"
-    )
-    print(
-        f"  with replay:    mean |delta log-prob| {m['replay_mean']:.5f}  max {m['replay_max']:.4f}"
-    )
-    print(f"  routing decisions that flip without replay: {m['flipped']:.4f}")
-    mean_cut = 1 - m["replay_mean"] / m["native_mean"]
-    max_cut = 1 - m["replay_max"] / m["native_max"]
-    print(f"mean reduction {mean_cut:.3f}")
-    print(f"max reduction {max_cut:.3f}")
-
+    for engine in filter(None, args.engines.split(",")):
+        report(engine, mismatch(args.samples, engine, random_weights=args.random))
+    if not args.pairs:
+        return
     ratios = []
     with tempfile.TemporaryDirectory(prefix="routing-replay-") as tmp:
         for k in range(args.pairs):
             off = seconds_per_step("off", args.steps, Path(tmp) / f"off-{k}")
             on = seconds_per_step("rollout", args.steps, Path(tmp) / f"on-{k}")
             ratios.append((on - off) / off)
-            print(f"pair {k}: s/step off {off:.3f}  on {on:.3f}  ({ratios[-1]:+.3f})")
+            print(f"pair {k}: s/step off {off:.3f}  on {on:.3f}  ({ratios[-1]:+.3f})", flush=True)
     print(f"overhead {statistics.median(ratios):.3f}")
 
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from streamrl.agents.chat import ChatFormat, ToolCall
 from streamrl.agents.ledger import TokenLedger
 from streamrl.agents.tools import ToolInfraError, ToolSession
+from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest
 
 
@@ -138,7 +139,7 @@ class EpisodeClient:
         if len(ids) > self.tokens_left:  # the budget ends inside this turn
             keep = self.tokens_left
             ids, logprobs, versions, finish = ids[:keep], logprobs[:keep], versions[:keep], "length"
-        self.ledger.add_sampled(ids, logprobs, versions)
+        self.ledger.add_sampled(ids, logprobs, versions, result.extra.get(F.ROUTED_EXPERTS))
         self.num_turns += 1
         self.finish_reason = finish
         text = self._tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -14,6 +14,9 @@ them (so the oldest version of a sample is that of its oldest sampled token). No
 the ledger is ever tokenised again from text: that is what keeps the trained tokens bit-identical
 to the sampled ones, the usual source of train/rollout mismatch in agent RL.
 
+With routing replay (mixture-of-experts models), a segment also keeps the experts the engine
+routed each of its positions to, every position's from the latest turn that ran it.
+
 A conversation that stops being an append-only extension of the ledger (a client that rewrites
 or drops earlier turns) cannot continue it: `restart` closes the current segment and opens a new
 one on the new prompt. Each segment is its own training sample; the count of such splits is
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streamrl.api import fields as F
+from streamrl.models.moe import merge_routes
 
 
 @dataclass
@@ -39,6 +43,9 @@ class Segment:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routes: np.ndarray | None = None
+    """Mixture-of-experts routing replay: the experts of each position from the prompt's first
+    on, as the engine ran them (`streamrl.models.moe`); None when not captured."""
 
     @property
     def num_sampled(self) -> int:
@@ -70,15 +77,25 @@ class TokenLedger:
         return self.current.prompt_ids + self.current.ids
 
     def add_sampled(
-        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        routes: np.ndarray | None = None,
     ) -> None:
-        """Append tokens the engine sampled, with their log-probs and policy versions (mask 1)."""
+        """Append tokens the engine sampled, with their log-probs and policy versions (mask 1),
+        and the experts the engine routed the turn's positions to (`routes`, from the
+        segment's first position on; they replace an earlier turn's for the positions both
+        ran, `streamrl.models.moe.merge_routes`)."""
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(
                 f"sampled tokens, log-probs and versions differ in length: {len(ids)}, "
                 f"{len(logprobs)}, {len(versions)}"
             )
         seg = self.current
+        if routes is not None:  # positions fed to the model: all but the new last token's
+            ran = len(seg.prompt_ids) + len(seg.ids) + len(ids) - 1
+            seg.routes = merge_routes(seg.routes, np.asarray(routes)[:ran])
         seg.ids += [int(t) for t in ids]
         seg.mask += [1] * len(ids)
         seg.logprobs += [float(x) for x in logprobs]
@@ -128,6 +145,7 @@ class TokenLedger:
             [0] * len(lead) + seg.mask,
             [0.0] * len(lead) + seg.logprobs,
             [version] * len(lead) + seg.versions,
+            seg.routes,  # positions count from the first prompt token either way
         )
 
     def oldest_version(self) -> int | None:
@@ -139,9 +157,12 @@ class TokenLedger:
 
 def segment_fields(seg: Segment) -> dict[str, np.ndarray]:
     """A segment as the rollout's bus fields (response_ids .. versions, and the loss mask)."""
-    return {
+    fields = {
         F.RESPONSE_IDS: np.asarray(seg.ids, dtype=np.int64),
         F.ROLLOUT_LOGPROBS: np.asarray(seg.logprobs, dtype=np.float32),
         F.VERSIONS: np.asarray(seg.versions, dtype=np.int64),
         F.LOSS_MASK: np.asarray(seg.mask, dtype=np.int8),
     }
+    if seg.routes is not None:
+        fields[F.ROUTED_EXPERTS] = seg.routes
+    return fields

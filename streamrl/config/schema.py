@@ -6,9 +6,9 @@ dotted command-line overrides into these models. Imports no torch or Ray.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.agent_schema import AgentConfig
 from streamrl.config.engine_schema import BUILTIN_ENGINES, SglangConfig, VllmConfig  # noqa: F401 - re-exported
@@ -452,6 +452,12 @@ class AlgorithmConfig(Section):
 
     _fill_preset = model_validator(mode="before")(apply_preset)
 
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _off_in_yaml(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false: `routing_replay: off` means "off"."""
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> AlgorithmConfig:
         o = self.off_policy
@@ -654,12 +660,11 @@ class Config(Section):
                     "model is dense unless model.num_experts > 0 (e.g. model.num_experts=8), "
                     "or set algorithm.routing_replay=off"
                 )
-            if self.rollout.engine != "builtin" or self.agent.enabled:
+            if self.rollout.engine not in ("builtin", "vllm"):
                 raise ValueError(
-                    "algorithm.routing_replay=rollout: routing capture is built into the builtin "
-                    "engine for single-turn rollouts; with rollout.engine="
-                    f"{self.rollout.engine!r}{' and agent.enabled' if self.agent.enabled else ''} "
-                    "set algorithm.routing_replay=off (docs/moe.md)"
+                    "algorithm.routing_replay=rollout: the builtin and vLLM engines capture "
+                    f"routing, rollout.engine={self.rollout.engine!r} does not; use one of "
+                    "those or set algorithm.routing_replay=off (docs/moe.md)"
                 )
         if m.num_experts and not m.experts_per_token <= m.num_experts:
             raise ValueError(

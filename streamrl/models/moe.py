@@ -195,6 +195,20 @@ def replaying(model, forced_nlk: torch.Tensor | None, valid_n: torch.Tensor | No
         taps.forced_nlk = taps.valid_n = None
 
 
+def merge_routes(routes: np.ndarray | None, later: np.ndarray | None) -> np.ndarray | None:
+    """A sequence's routes so far, updated by those of a later pass over it (a continuation
+    after an in-flight update, the next turn of an episode): every position the later pass ran
+    takes its routes. The tokens sampled after that pass were computed over the keys and values
+    it left in the cache, so its routes are what reproduce their log-probs; the tokens before
+    it came from an older version, which the importance correction accounts for anyway."""
+    if routes is None or later is None:
+        return later if routes is None else routes
+    later = np.asarray(later)
+    if len(later) >= len(routes):
+        return later
+    return np.concatenate([later, routes[len(later) :]])
+
+
 def padded_routes(
     routes: Sequence[np.ndarray], starts: Sequence[int], width: int, num_rows: int | None = None
 ) -> torch.Tensor:

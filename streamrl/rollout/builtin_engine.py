@@ -629,7 +629,8 @@ class _Generation:
         max_len = max(len(r.prompt_ids) for r in requests) + self.max_new
         self.runner.allocate(num_slots, max_len)
         # With routing capture: per request, the experts of each position it ran through the
-        # model [requests, positions, moe layers, k], kept from the pass that first ran it.
+        # model [requests, positions, moe layers, k], from the latest pass that ran it (after an
+        # in-flight update, the new weights' prefill: `streamrl.models.moe.merge_routes`).
         self.routes = None
         if self.runner.capture_routes:
             moe_layers = sum(w.moe is not None for w in self.runner.layers)
@@ -663,6 +664,9 @@ class _Generation:
             for k, (i, n) in enumerate(zip(indices, self.count[slots].tolist(), strict=True))
         ]
         self.runner.prefill(slots, sequences)
+        if self.routes is not None:  # the later tokens are computed over these: their routes
+            for i, routes in zip(indices, self.runner.routes, strict=True):
+                self.routes[i, : len(routes)] = routes.to(torch.uint8).cpu()
 
     def step(self) -> None:
         """Sample one token for every busy slot; hand over the sequences that finish."""

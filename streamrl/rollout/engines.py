@@ -61,6 +61,7 @@ def vllm_engine(ctx: RunContext):
         model_dtype=cfg.model.dtype,
         max_num_seqs=cfg.rollout.max_batch_size,
         seed=cfg.run.seed,
+        capture_routes=cfg.algorithm.routing_replay == "rollout",
     )
 
 

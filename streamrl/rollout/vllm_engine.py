@@ -38,6 +38,7 @@ from streamrl.api.engine import (
     WeightPoll,
     check_requests,
 )
+from streamrl.api.fields import ROUTED_EXPERTS
 from streamrl.config.schema import VllmConfig
 from streamrl.rollout.balancer import LeastLoaded, Unit, group_by_prompt
 from streamrl.rollout.sampling import StopStrings, cut_at_stop
@@ -74,6 +75,7 @@ class VllmEngine:
         model_dtype: str = "float32",
         max_num_seqs: int = 256,
         seed: int = 0,
+        capture_routes: bool = False,
     ):
         global _num_in_process_open
         if config.engines < 1:
@@ -93,6 +95,7 @@ class VllmEngine:
                     dtype=self.dtype,
                     max_num_seqs=max_num_seqs,
                     seed=seed,
+                    capture_routes=capture_routes,
                 )
                 self.replicas.append(replica)
                 _num_in_process_open += replica.workers_in_process
@@ -265,7 +268,7 @@ class VllmEngine:
 
     def _result(self, seq: SequenceState) -> GenerationResult:
         ids = seq.response_ids
-        return GenerationResult(
+        result = GenerationResult(
             request_id=seq.request.request_id,
             response_ids=ids,
             logprobs=seq.logprobs,
@@ -273,6 +276,9 @@ class VllmEngine:
             finish_reason="stop" if seq.stopped else "length",
             extra={"engines": seq.engines},
         )
+        if seq.routes is not None:  # every position but the last token's (a stop may cut it)
+            result.extra[ROUTED_EXPERTS] = seq.routes[: len(seq.request.prompt_ids) + len(ids) - 1]
+        return result
 
 
 def _end_at_stop(

@@ -28,8 +28,10 @@ they travel as one safetensors blob.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,9 @@ class SequenceState:
     """The engine that ran each attempt."""
     stopped: bool = False
     """The response ended at a stop (EOS, a stop token id or a stop string), not its budget."""
+    routes: np.ndarray | None = None
+    """With routing capture: the experts of every position run so far (`streamrl.models.moe`),
+    each from the latest attempt that ran it."""
 
     @property
     def vllm_id(self) -> str:
@@ -91,11 +96,21 @@ class Replica:
         dtype: str,
         max_num_seqs: int,
         seed: int,
+        capture_routes: bool = False,
     ):
         self.index = index
+        if capture_routes:  # a prefix served from the cache would have no routes recorded
+            config = config.model_copy(update={"prefix_caching": False})
         self.llm = start_llm(
             model_dir, config, env, dtype=dtype, max_num_seqs=max_num_seqs, seed=seed
         )
+        self.capture_routes = capture_routes
+        if capture_routes and not self.llm.collective_rpc("streamrl_capture_routes")[0]:
+            self.llm.llm_engine.engine_core.shutdown()
+            raise TypeError(
+                "algorithm.routing_replay: the model has no mixture-of-experts layer, so there "
+                "are no routing decisions to capture and replay; set algorithm.routing_replay=off"
+            )
         self.engine = self.llm.llm_engine
         self.max_model_len: int = self.engine.model_config.max_model_len
         # Tensors can be handed to the worker by reference only when it runs in this process;
@@ -143,6 +158,7 @@ class Replica:
             assert out.finished, "FINAL_ONLY requests report only when they finish"
             seq = self.running.pop(out.request_id)
             completion = out.outputs[0]
+            self._take_routes([seq], [len(completion.token_ids)])
             seq.record(completion.token_ids, completion.logprobs, self.version)
             seq.stopped = completion.finish_reason == "stop"
             finished.append(seq)
@@ -152,8 +168,10 @@ class Replica:
         """Record what every running request has so far (at this replica's version), abort them
         all, and return them."""
         sequences = list(self.running.values())
-        for seq in sequences:
-            seq.record(*self._partial(seq), self.version)
+        partials = [self._partial(seq) for seq in sequences]
+        self._take_routes(sequences, [len(tokens) for tokens, _ in partials])
+        for seq, partial in zip(sequences, partials, strict=True):
+            seq.record(*partial, self.version)
         if sequences:
             self.engine.abort_request(list(self.running))
         self.running.clear()
@@ -173,6 +191,26 @@ class Replica:
 
     def close(self) -> None:
         self.engine.engine_core.shutdown()
+
+    def _take_routes(self, sequences: Sequence[SequenceState], num_new: Sequence[int]) -> None:
+        """With routing capture: fetch the routes of the current attempts of `sequences` (each
+        produced `num_new` tokens, not yet recorded) from the worker and merge them into each
+        sequence's: the positions the attempt fed to the model, its prompt and every new token
+        but the last (an engine core in its own process may have run further: cut)."""
+        if not self.capture_routes or not sequences:
+            return
+        from streamrl.models.moe import merge_routes
+
+        routes = self.llm.collective_rpc(
+            "streamrl_take_routes", args=([s.internal_id for s in sequences],)
+        )[0]
+        for seq, new in zip(sequences, num_new, strict=True):
+            packed = routes.get(seq.internal_id)
+            if packed is not None:
+                shape, data = packed
+                attempt = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+                fed = len(seq.prompt) + new - 1
+                seq.routes = merge_routes(seq.routes, attempt[:fed])
 
     def _partial(self, seq: SequenceState) -> tuple[list[int], Any]:
         """Tokens and log-probs an unfinished attempt has produced so far.
@@ -327,7 +365,12 @@ class WorkerExtension:
         model = self.model_runner.get_model()
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         _quiet_expected_reload_skips(tied)
+        # A transformers MoE model's experts are fused tensors that vLLM's reload cannot take
+        # on a CPU (`load_experts`): they go in apart, after the rest.
+        experts, payload = split_expert_weights(payload)
         self.reload_weights(weights_iterator=iter(payload), is_checkpoint_format=True)
+        if experts:
+            load_experts(model, experts)
         if tied:
             # The checkpoint has no output-layer weight, so the reload skipped that layer: point
             # it at the new embedding again and rebuild what its kernel derived from the weight
@@ -335,6 +378,98 @@ class WorkerExtension:
             lm_head = model.lm_head
             lm_head.weight = model.model.embed_tokens.weight
             lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def streamrl_capture_routes(self) -> int:
+        """From now on, record per request and position the experts each MoE layer routes
+        every scheduled token to (`streamrl_take_routes` hands them over); returns the number
+        of MoE layers (0: the model has none, nothing is recorded).
+
+        vLLM's own capture (`enable_return_routed_experts`) needs its V2 model runner, which
+        the CPU build lacks; this uses the same hook, the routers' capture callback, and reads
+        which request each token of a forward belongs to from the model runner."""
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        model = self.model_runner.get_model()
+        layers = sorted(
+            (m for m in model.modules() if isinstance(m, MoERunner)), key=lambda m: m.layer_id
+        )
+        if not layers:
+            return 0
+        capture = RouteCapture(len(layers))
+        for index, layer in enumerate(layers):
+            layer.router.set_capture_fn(functools.partial(capture.record, index))
+        runner = self.model_runner
+        forward = runner._model_forward
+
+        def forward_recording_routes(*args: Any, **kwargs: Any) -> Any:
+            capture.begin(runner, kwargs["positions"])
+            out = forward(*args, **kwargs)
+            capture.end()
+            return out
+
+        runner._model_forward = forward_recording_routes
+        self.streamrl_routes = capture
+        return len(layers)
+
+    def streamrl_take_routes(self, request_ids: Sequence[str]) -> dict[str, Any]:
+        """The routes recorded for each of vLLM's `request_ids` (forgotten here), as (shape,
+        bytes) pairs: vLLM's RPC from its worker processes does not carry numpy arrays."""
+        taken = self.streamrl_routes.take(request_ids)
+        return {k: None if v is None else (list(v.shape), v.tobytes()) for k, v in taken.items()}
+
+
+class RouteCapture:
+    """The experts every MoE layer routed each token of each forward to, kept per request as
+    chunks of consecutive positions (uint8 [tokens, layers, k])."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.chunks: dict[str, list[tuple[int, np.ndarray]]] = {}
+        self._layer_ids: list[Any] = [None] * num_layers
+        self._batch: tuple[list[str], np.ndarray, np.ndarray] | None = None
+
+    def record(self, layer: int, topk_ids) -> None:
+        """A router's callback: the expert ids [tokens, k] of the running forward (the buffer
+        is reused by the next forward: copied)."""
+        self._layer_ids[layer] = topk_ids.detach().to("cpu", copy=True)
+
+    def begin(self, runner, positions) -> None:
+        """Before a forward: which request each of its tokens belongs to, and its position."""
+        num = runner.input_batch.num_reqs
+        self._batch = (
+            list(runner.input_batch.req_ids[:num]),
+            np.array(runner.query_start_loc.np[: num + 1]),
+            positions.detach().cpu().numpy().copy(),
+        )
+        self._layer_ids = [None] * self.num_layers
+
+    def end(self) -> None:
+        assert self._batch is not None
+        request_ids, starts, positions = self._batch
+        self._batch = None
+        if not request_ids or any(ids is None for ids in self._layer_ids):
+            return
+        total = int(starts[-1])
+        ids = np.stack([t[:total].numpy() for t in self._layer_ids], axis=1).astype(np.uint8)
+        for r, request_id in enumerate(request_ids):
+            lo, hi = int(starts[r]), int(starts[r + 1])
+            if hi > lo:
+                self.chunks.setdefault(request_id, []).append((int(positions[lo]), ids[lo:hi]))
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for request_id in request_ids:
+            chunks = sorted(self.chunks.pop(request_id, []), key=lambda c: c[0])
+            expected = 0
+            for start, chunk in chunks:
+                if start != expected:
+                    raise RuntimeError(
+                        f"routes of vLLM request {request_id!r} have a gap at position "
+                        f"{expected} (next recorded: {start}); was prefix caching on?"
+                    )
+                expected += len(chunk)
+            out[request_id] = np.concatenate([c for _, c in chunks]) if chunks else None
+        return out
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -363,3 +498,64 @@ def _quiet_expected_reload_skips(tied: bool) -> None:
     if not any(isinstance(f, _ExpectedReloadSkips) for f in logger.filters):
         layers = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
         logger.addFilter(_ExpectedReloadSkips(frozenset(layers)))
+
+
+# A transformers MoE model's experts, fused per layer: [experts, 2 * inner, hidden] (gate rows,
+# then up rows) and [experts, hidden, inner].
+_FUSED_EXPERTS = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def split_expert_weights(payload):
+    """({layer: {"gate_up_proj": t, "down_proj": t}}, the other named tensors) of `payload`."""
+    experts: dict[int, dict[str, Any]] = {}
+    rest = []
+    for name, tensor in payload:
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            rest.append((name, tensor))
+        else:
+            experts.setdefault(int(match.group(2)), {})[match.group(3)] = tensor
+    return experts, rest
+
+
+def load_experts(model, experts: Mapping[int, Mapping[str, Any]]) -> None:
+    """Write each layer's expert weights into vLLM's MoE layer in the layout its kernel runs.
+
+    vLLM's in-place reload cannot do it on the CPU: its CPU MoE kernel prepacks the experts at
+    load time, and a reload repacks packed weights (corrupting them). Here the new weights are
+    padded and packed as a fresh load would, then copied over the packed ones. Elsewhere (no
+    CPU prepacking) they go through the model's own `load_weights` in checkpoint layout."""
+    import torch
+
+    for index, tensors in sorted(experts.items()):
+        layer = model.model.layers[index].mlp.experts
+        routed = getattr(layer, "routed_experts", layer)
+        fused = getattr(getattr(routed.quant_method, "moe_kernel", None), "fused_experts", None)
+        gate_up, down = as_tensor(tensors["gate_up_proj"]), as_tensor(tensors["down_proj"])
+        if fused is None or not hasattr(fused, "isa") or getattr(fused, "_use_zentorch", False):
+            model.load_weights(
+                checkpoint_layout(f"model.layers.{index}.mlp.experts", gate_up, down)
+            )
+            continue
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        dtype = routed.w13_weight.dtype
+        fresh = torch.nn.Module()
+        fresh.w13_weight = torch.nn.Parameter(gate_up.to(dtype), requires_grad=False)
+        fresh.w2_weight = torch.nn.Parameter(down.to(dtype), requires_grad=False)
+        fused._pad_moe_intermediate(fresh)
+        with torch.no_grad():
+            routed.w13_weight.copy_(cpu_prepack_moe_weight(fresh.w13_weight.data, fused.isa))
+            routed.w2_weight.copy_(cpu_prepack_moe_weight(fresh.w2_weight.data, fused.isa))
+
+
+def checkpoint_layout(prefix: str, gate_up, down) -> list[tuple[str, Any]]:
+    """A layer's fused experts as per-expert checkpoint tensors (`<prefix>.<e>.gate_proj.weight`,
+    `up_proj`, `down_proj`), the names Hugging Face checkpoints use and vLLM loads."""
+    inner = gate_up.shape[1] // 2
+    out = []
+    for e in range(gate_up.shape[0]):
+        out.append((f"{prefix}.{e}.gate_proj.weight", gate_up[e, :inner]))
+        out.append((f"{prefix}.{e}.up_proj.weight", gate_up[e, inner:]))
+        out.append((f"{prefix}.{e}.down_proj.weight", down[e]))
+    return out

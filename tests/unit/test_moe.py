@@ -123,8 +123,10 @@ def _used_experts(record: moe.RoutingRecord, layer: int) -> torch.Tensor:
 def test_trainer_uses_exactly_the_engines_experts_across_a_weight_update(
     moe_dir: Path, prompts
 ) -> None:
-    """The engine takes new weights after 3 tokens; the trainer (with the new weights) must use
-    the old version's experts for the positions the old weights ran, the new one's after."""
+    """The engine takes new weights after 3 tokens and computes its running sequences again
+    under them: the routes kept are the new weights' for every position (those the later tokens
+    were computed over), the trainer with the new weights replays exactly them, and the
+    log-probs of the tokens sampled after the update agree."""
     old, new = load_causal_lm(moe_dir), load_causal_lm(moe_dir)
     with torch.no_grad():
         for p in new.parameters():
@@ -140,29 +142,24 @@ def test_trainer_uses_exactly_the_engines_experts_across_a_weight_update(
     )
     rows = _rows(requests, results)
     assert all(r.versions[:3] == [0, 0, 0] and r.versions[3:] == [1] * 7 for r in results)
-    # The positions the old weights ran (prompt and the first two fed tokens) carry its routes.
-    before = load_causal_lm(moe_dir)
-    with moe.recording(before) as record:
-        _trainer_logprobs(before, [{k: v for k, v in rows[0].items() if k != F.ROUTED_EXPERTS}])
-    first = rows[0]
-    ran_old = len(first[F.PROMPT_IDS]) + 2
+    plain = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
+    with moe.recording(new) as native:
+        _trainer_logprobs(new, plain)
+    with moe.recording(new) as replayed:
+        logprobs = _trainer_logprobs(new, rows)
     for layer in range(NUM_LAYERS):
-        native = torch.cat(record.experts[layer])[record.valid_tokens()][:ran_old]
-        captured = torch.from_numpy(first[F.ROUTED_EXPERTS][:ran_old, layer].astype(np.int64))
-        assert torch.equal(native.sort(-1).values, captured.sort(-1).values)
-
-    with moe.recording(new) as record:
-        _trainer_logprobs(new, rows)
-    for layer in range(NUM_LAYERS):
-        used = _used_experts(record, layer)
-        # Per row, every position but the last (which the engine never ran) replays exactly.
+        used = _used_experts(replayed, layer)
+        own = _used_experts(native, layer)
         offset = 0
-        for r in rows:
+        for r in rows:  # per row every position but the last (the engine never ran it)
             n = len(r[F.ROUTED_EXPERTS])
             expected = torch.from_numpy(r[F.ROUTED_EXPERTS][:, layer].astype(np.int64))
             assert torch.equal(used[offset : offset + n], expected)
+            assert torch.equal(own[offset : offset + n].sort(-1).values, expected.sort(-1).values)
             offset += n + 1
         assert offset == len(used)
+    after = [lp[3:] - r[F.ROLLOUT_LOGPROBS][3:] for r, lp in zip(rows, logprobs, strict=True)]
+    assert np.abs(np.concatenate(after)).mean() <= 1e-5
 
 
 def test_without_routes_a_row_is_routed_by_the_trainer(moe_dir: Path) -> None:
@@ -232,14 +229,19 @@ def test_replay_refused_for_a_dense_model(model_dir: Path) -> None:
 def test_config_refuses_replay_without_experts_or_with_another_engine() -> None:
     with pytest.raises(ValueError, match="model.num_experts"):
         Config.model_validate({"algorithm": {"routing_replay": "rollout"}})
-    with pytest.raises(ValueError, match="routing capture is built into the builtin engine"):
+    with pytest.raises(ValueError, match="the builtin and vLLM engines capture routing"):
         Config.model_validate(
             {
                 "model": {"num_experts": 4},
                 "algorithm": {"routing_replay": "rollout"},
-                "rollout": {"engine": "vllm"},
+                "rollout": {"engine": "sglang"},
             }
         )
     with pytest.raises(ValueError, match="experts_per_token"):
         Config.model_validate({"model": {"num_experts": 2, "experts_per_token": 3}})
     Config.model_validate({"model": {"num_experts": 4}, "algorithm": {"routing_replay": "rollout"}})
+    # YAML reads a bare `off` as false.
+    assert (
+        Config.model_validate({"algorithm": {"routing_replay": False}}).algorithm.routing_replay
+        == "off"
+    )
