@@ -245,3 +245,26 @@ def test_config_refuses_replay_without_experts_or_with_another_engine() -> None:
         Config.model_validate({"algorithm": {"routing_replay": False}}).algorithm.routing_replay
         == "off"
     )
+
+
+def test_an_episodes_routes_come_from_the_latest_turn_that_ran_each_position() -> None:
+    """Turn 1 runs the prompt (3 tokens) and feeds 1 of its 2 tokens; turn 2 runs everything
+    so far (prompt, turn 1, the tool's 2 tokens) and feeds 2 of its 3: the segment's routes
+    are turn 2's over all 8 positions it ran (turn 1's positions recomputed)."""
+    from streamrl.agents.ledger import TokenLedger, segment_fields
+
+    def routes(n: int, value: int) -> np.ndarray:
+        return np.full((n, NUM_LAYERS, TOP_K), value, dtype=np.uint8)
+
+    ledger = TokenLedger([5, 6, 7])
+    ledger.add_sampled([8, 9], [-0.1, -0.2], [0, 0], routes(4, 1))
+    assert ledger.current.routes.shape[0] == 4  # prompt + the first sampled token
+    ledger.add_context([10, 11])
+    ledger.add_sampled([12, 13, 14], [-0.3] * 3, [1] * 3, routes(9, 2)[:9])
+    fields = segment_fields(ledger.current)
+    got = fields[F.ROUTED_EXPERTS]
+    assert got.shape == (3 + 7 - 1, NUM_LAYERS, TOP_K)
+    assert (got == 2).all()
+    # A pass that ran fewer positions than are known updates only those.
+    assert (moe.merge_routes(routes(5, 1), routes(3, 2))[:, 0, 0] == [2, 2, 2, 1, 1]).all()
+    assert moe.merge_routes(None, routes(2, 1)).shape[0] == 2
