@@ -8,8 +8,6 @@ known point. That last one is the only thing the protocol leaves to the engine: 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.api.engine import Engine
+from tests.vllm_required import REASON, vllm_missing
 
 # update_after(num_tokens, num_requests) -> a predicate for the weight poll: true once each of
 # the `num_requests` requests of the call has exactly `num_tokens` tokens.
@@ -60,11 +59,8 @@ def start_builtin(model_dir: Path, eos_token_id: int, scratch: Path) -> Subject:
 def start_vllm(model_dir: Path, eos_token_id: int, scratch: Path) -> Subject:
     """vLLM's CPU engine in this process. Skipped without vLLM, unless STREAMRL_REQUIRE_VLLM=1
     (the Makefile's test targets) makes that a failure."""
-    if importlib.util.find_spec("vllm") is None:
-        reason = "vLLM is not installed: run `make install-vllm`"
-        if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"{reason} (STREAMRL_REQUIRE_VLLM=1 requires it)")
-        pytest.skip(reason)
+    if vllm_missing():
+        pytest.skip(REASON)
     from streamrl.config.schema import VllmConfig
     from streamrl.rollout.vllm_engine import VllmEngine
 

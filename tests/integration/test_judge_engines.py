@@ -16,27 +16,20 @@ verdicts (`judge/verdict_invalid`) or verdicts unrelated to the rule.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import SHORT, read_jsonl, run_cli
+from tests.vllm_required import vllm_missing
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SERVER = Path(__file__).parents[1] / "fakes" / "sglang_server.py"
 STEPS = 4
-
-
-def _vllm_missing() -> bool:
-    return (
-        importlib.util.find_spec("vllm") is None and os.environ.get("STREAMRL_REQUIRE_VLLM") != "1"
-    )
 
 
 @pytest.mark.parametrize(
@@ -45,7 +38,7 @@ def _vllm_missing() -> bool:
         "builtin",
         pytest.param(
             "vllm",
-            marks=pytest.mark.skipif(_vllm_missing(), reason="vLLM is not installed"),
+            marks=pytest.mark.skipif(vllm_missing(), reason="vLLM is not installed"),
         ),
         "sglang",
     ],

@@ -25,21 +25,16 @@ Makefile's test targets), which turns the skip into a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import re
 
 import pytest
 
 from tests.integration.conftest import read_jsonl, run_cli
+from tests.vllm_required import skip_module_without_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    _REASON = "vLLM is not installed: run `make install-vllm`"
-    if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{_REASON} (STREAMRL_REQUIRE_VLLM=1 requires it)")
-    pytest.skip(_REASON, allow_module_level=True)
+skip_module_without_vllm()
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

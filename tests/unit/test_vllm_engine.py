@@ -12,9 +12,7 @@ vLLM is missing; those targets set STREAMRL_REQUIRE_VLLM=1, which turns the skip
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +26,9 @@ from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.trainer.logprobs import pack, response_logprobs
+from tests.vllm_required import skip_module_without_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    _REASON = "vLLM is not installed: run `make install-vllm`"
-    if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{_REASON} (STREAMRL_REQUIRE_VLLM=1 requires it)")
-    pytest.skip(_REASON, allow_module_level=True)
+skip_module_without_vllm()
 
 from streamrl.rollout.vllm_engine import CPU_HEAD_SIZES, VllmEngine  # noqa: E402
 

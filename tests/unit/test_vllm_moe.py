@@ -9,8 +9,6 @@ Needs vLLM (`make install-vllm`); skipped without it unless STREAMRL_REQUIRE_VLL
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +24,9 @@ from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.rollout.service import result_fields
 from streamrl.trainer.learner import detached_logprobs
+from tests.vllm_required import skip_module_without_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    _REASON = "vLLM is not installed: run `make install-vllm`"
-    if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
-        raise RuntimeError(f"{_REASON} (STREAMRL_REQUIRE_VLLM=1 requires it)")
-    pytest.skip(_REASON, allow_module_level=True)
+skip_module_without_vllm()
 
 from streamrl.rollout.vllm_engine import VllmEngine  # noqa: E402
 
