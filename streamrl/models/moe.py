@@ -23,8 +23,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-ROUTE_DTYPE = np.uint8  # up to 256 experts a layer
+ROUTE_DTYPE = np.uint8  # routes on the bus: expert ids below MAX_EXPERTS
+MAX_EXPERTS = 256
 NO_ROUTE = -1  # a position without given experts: the router chooses
+
+
+def check_routable(num_experts: int) -> None:
+    """Refuse to capture routes of a model with no MoE layer (`num_experts` 0) or with more
+    experts than `ROUTE_DTYPE` holds."""
+    if not num_experts:
+        raise TypeError(
+            "algorithm.routing_replay: the model has no mixture-of-experts layer, so there "
+            "are no routing decisions to capture and replay; set algorithm.routing_replay=off"
+        )
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(
+            f"algorithm.routing_replay: routes are stored as uint8 (up to {MAX_EXPERTS} experts "
+            f"a layer); this model has {num_experts}"
+        )
 
 
 def route(
@@ -217,11 +233,11 @@ def padded_routes(
     in one sequence of `width` tokens (padding-free), `starts` being flat offsets."""
     first = next(r for r in routes if len(r))
     layers, k = first.shape[1:]
-    flat = num_rows is not None
-    total = num_rows * width if flat else width
+    rows_of_width = num_rows is not None
+    total = num_rows * width if rows_of_width else width
     out = torch.full((total, layers, k), NO_ROUTE, dtype=torch.long)
     for i, (r, start) in enumerate(zip(routes, starts, strict=True)):
-        offset = i * width + start if flat else start
+        offset = i * width + start if rows_of_width else start
         out[offset : offset + len(r)] = torch.from_numpy(np.asarray(r).astype(np.int64))
     return out
 

@@ -54,7 +54,7 @@ from streamrl.api.engine import (
     check_requests,
 )
 from streamrl.api.fields import ROUTED_EXPERTS
-from streamrl.models.moe import route
+from streamrl.models.moe import check_routable, route
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
 from streamrl.rollout.sampling import StopStrings, stop_token_set, truncate_logits
 
@@ -190,11 +190,9 @@ class DecoderRunner:
         self.capture_routes = capture_routes
         self.routes: Any = None
         self.refresh()
-        if capture_routes and not any(w.moe is not None for w in self.layers):
-            raise TypeError(
-                "algorithm.routing_replay: the model has no mixture-of-experts layer, so there "
-                "are no routing decisions to capture and replay; set algorithm.routing_replay=off"
-            )
+        if capture_routes:
+            experts = [w.moe.gate_up.shape[0] for w in self.layers if w.moe is not None]
+            check_routable(max(experts, default=0))
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -664,9 +662,14 @@ class _Generation:
             for k, (i, n) in enumerate(zip(indices, self.count[slots].tolist(), strict=True))
         ]
         self.runner.prefill(slots, sequences)
-        if self.routes is not None:  # the later tokens are computed over these: their routes
-            for i, routes in zip(indices, self.runner.routes, strict=True):
-                self.routes[i, : len(routes)] = routes.to(torch.uint8).cpu()
+        self._keep_prefill_routes(indices)  # the later tokens are computed over these
+
+    def _keep_prefill_routes(self, requests: Sequence[int]) -> None:
+        """With routing capture: keep the routes of the prefill just run, of `requests`' own
+        sequences from position 0 (replacing any an earlier pass left)."""
+        if self.routes is not None:
+            for i, routes in zip(requests, self.runner.routes, strict=True):
+                self.routes[i, : len(routes)] = routes.to("cpu", torch.uint8)
 
     def step(self) -> None:
         """Sample one token for every busy slot; hand over the sequences that finish."""
@@ -677,18 +680,15 @@ class _Generation:
             logits = self.runner.decode(self.last[:num_decoding], self.length[:num_decoding])
             if self.routes is not None:  # the fed tokens' positions
                 rows = decoding.nonzero().flatten()
-                self.routes[self.request[rows], self.length[rows]] = (
-                    self.runner.routes[rows].to(torch.uint8).cpu()
-                )
+                where = (self.request[rows].cpu(), self.length[rows].cpu())
+                self.routes[where] = self.runner.routes[rows].to("cpu", torch.uint8)
             self.length[:num_decoding] += decoding
         new_slots = self._admit()
         if len(new_slots):
             requests = self.request[new_slots].tolist()
             prompts = [self.requests[i].prompt_ids for i in requests]
             prefilled = self.runner.prefill(new_slots, prompts)
-            if self.routes is not None:
-                for i, routes in zip(requests, self.runner.routes, strict=True):
-                    self.routes[i, : len(routes)] = routes.to(torch.uint8).cpu()
+            self._keep_prefill_routes(requests)
             self.length[new_slots] = torch.tensor([len(p) for p in prompts], device=self.device)
             decoded, logits = logits, prefilled.new_zeros((self.num_used, prefilled.shape[-1]))
             if decoded is not None:

@@ -41,6 +41,7 @@ import numpy as np
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.config.schema import VllmConfig
+from streamrl.models.moe import MAX_EXPERTS, ROUTE_DTYPE, check_routable, merge_routes
 from streamrl.rollout.seeds import request_seed
 
 
@@ -105,12 +106,12 @@ class Replica:
             model_dir, config, env, dtype=dtype, max_num_seqs=max_num_seqs, seed=seed
         )
         self.capture_routes = capture_routes
-        if capture_routes and not self.llm.collective_rpc("streamrl_capture_routes")[0]:
-            self.llm.llm_engine.engine_core.shutdown()
-            raise TypeError(
-                "algorithm.routing_replay: the model has no mixture-of-experts layer, so there "
-                "are no routing decisions to capture and replay; set algorithm.routing_replay=off"
-            )
+        if capture_routes:
+            try:
+                check_routable(self.llm.collective_rpc("streamrl_capture_routes")[0])
+            except (TypeError, ValueError):
+                self.llm.llm_engine.engine_core.shutdown()
+                raise
         self.engine = self.llm.llm_engine
         self.max_model_len: int = self.engine.model_config.max_model_len
         # Tensors can be handed to the worker by reference only when it runs in this process;
@@ -199,8 +200,6 @@ class Replica:
         but the last (an engine core in its own process may have run further: cut)."""
         if not self.capture_routes or not sequences:
             return
-        from streamrl.models.moe import merge_routes
-
         routes = self.llm.collective_rpc(
             "streamrl_take_routes", args=([s.internal_id for s in sequences],)
         )[0]
@@ -208,7 +207,7 @@ class Replica:
             packed = routes.get(seq.internal_id)
             if packed is not None:
                 shape, data = packed
-                attempt = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+                attempt = np.frombuffer(data, dtype=ROUTE_DTYPE).reshape(shape)
                 fed = len(seq.prompt) + new - 1
                 seq.routes = merge_routes(seq.routes, attempt[:fed])
 
@@ -382,7 +381,8 @@ class WorkerExtension:
     def streamrl_capture_routes(self) -> int:
         """From now on, record per request and position the experts each MoE layer routes
         every scheduled token to (`streamrl_take_routes` hands them over); returns the number
-        of MoE layers (0: the model has none, nothing is recorded).
+        the most experts of any MoE layer (0: the model has none; nothing is recorded then,
+        nor when they are more than the routes' uint8 holds).
 
         vLLM's own capture (`enable_return_routed_experts`) needs its V2 model runner, which
         the CPU build lacks; this uses the same hook, the routers' capture callback, and reads
@@ -395,6 +395,9 @@ class WorkerExtension:
         )
         if not layers:
             return 0
+        num_experts = max(layer.router.global_num_experts for layer in layers)
+        if num_experts > MAX_EXPERTS:
+            return num_experts  # refused by the caller
         capture = RouteCapture(len(layers))
         for index, layer in enumerate(layers):
             layer.router.set_capture_fn(functools.partial(capture.record, index))
@@ -409,7 +412,7 @@ class WorkerExtension:
 
         runner._model_forward = forward_recording_routes
         self.streamrl_routes = capture
-        return len(layers)
+        return num_experts
 
     def streamrl_take_routes(self, request_ids: Sequence[str]) -> dict[str, Any]:
         """The routes recorded for each of vLLM's `request_ids` (forgotten here), as (shape,
@@ -450,7 +453,8 @@ class RouteCapture:
         if not request_ids or any(ids is None for ids in self._layer_ids):
             return
         total = int(starts[-1])
-        ids = np.stack([t[:total].numpy() for t in self._layer_ids], axis=1).astype(np.uint8)
+        ids = np.stack([t[:total].numpy() for t in self._layer_ids], axis=1)
+        ids = ids.astype(ROUTE_DTYPE)
         for r, request_id in enumerate(request_ids):
             lo, hi = int(starts[r]), int(starts[r + 1])
             if hi > lo:

@@ -224,6 +224,9 @@ def test_replay_refused_for_a_dense_model(model_dir: Path) -> None:
         response_logprobs(model, batch)
     with pytest.raises(TypeError, match="no mixture-of-experts layer"):
         BuiltinEngine(model, eos_token_id=1, pad_token_id=0, capture_routes=True)
+    with pytest.raises(ValueError, match="up to 256 experts"):  # more than uint8 routes hold
+        moe.check_routable(384)
+    moe.check_routable(256)
 
 
 def test_config_refuses_replay_without_experts_or_with_another_engine() -> None:
