@@ -267,7 +267,7 @@ def check_model_dir(cfg) -> None:
     if cfg.rollout.engine == "builtin":
         from transformers import AutoConfig
 
-        from streamrl.rollout.builtin_engine import unsupported
+        from streamrl.rollout.decoder_runner import unsupported
 
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         reason = unsupported(hf_config)

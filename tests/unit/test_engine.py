@@ -12,14 +12,9 @@ import torch
 
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.models.loading import load_causal_lm
-from streamrl.rollout.builtin_engine import (
-    BuiltinEngine,
-    DecoderRunner,
-    gumbel_noise,
-    onednn_linear_usable,
-    request_key,
-    sample_tokens,
-)
+from streamrl.models.onednn import onednn_linear_usable
+from streamrl.rollout.builtin_engine import BuiltinEngine, gumbel_noise, request_key, sample_tokens
+from streamrl.rollout.decoder_runner import DecoderRunner
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 PAD_ID = 0
