@@ -17,6 +17,7 @@ each position in the order the engine ranked them (`ROUTE_DTYPE`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -76,10 +77,6 @@ def find_routers(model) -> list[torch.nn.Module]:
         and module.weight.dim() == 2
         and module.weight.shape[0] == module.num_experts
     ]
-
-
-def is_moe(model) -> bool:
-    return bool(find_routers(model))
 
 
 @dataclass
@@ -156,15 +153,23 @@ class RouterTaps:
         self.record.compared += int(given.sum())
 
 
+# Per model object (or wrapper of one): its taps, or None for a dense model. Every training
+# and scoring forward asks; the module walk that answers happens once per model.
+_TAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def router_taps(model) -> RouterTaps | None:
-    """The taps on `model`'s routers (installed at the first call), None for a dense model."""
+    """The taps on `model`'s routers (installed at the first call), None for a dense model.
+    Wrappers of one model (compiled, autocast, LoRA) share its taps: they hang on its first
+    router."""
+    if model in _TAPS:
+        return _TAPS[model]
     routers = find_routers(model)
-    if not routers:
-        return None
-    taps = getattr(routers[0], "_streamrl_taps", None)
-    if taps is None:
+    taps = getattr(routers[0], "_streamrl_taps", None) if routers else None
+    if routers and taps is None:
         taps = RouterTaps(routers)
         routers[0]._streamrl_taps = taps
+    _TAPS[model] = taps
     return taps
 
 

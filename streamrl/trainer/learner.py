@@ -153,7 +153,7 @@ class Learner:
         `normaliser` of the step's normaliser, so the step's loss holds its token-weighted
         mean times `router_aux_loss_coef`); adds the routing statistics to `stats`, weighted by
         the micro-batch's tokens like the others."""
-        router = moe.find_routers(self.model)[0]
+        router = moe.router_taps(self.model).routers[0]
         aux = moe.load_balancing_loss(record, router.num_experts, router.top_k)
         tokens = stats["num_tokens"]
         stats["moe/aux_loss"] = float(aux.detach()) * tokens
@@ -293,13 +293,15 @@ class Learner:
 
 def routing_stat_keys(model) -> tuple[str, ...]:
     """The `moe/*` statistics `Learner.accumulate` sums for `model` (none for a dense one)."""
-    routers = moe.find_routers(model)
+    taps = moe.router_taps(model)
+    if taps is None:
+        return ()
     counts = (
         f"moe/count/l{layer}/e{expert}"
-        for layer in range(len(routers))
-        for expert in range(routers[0].num_experts)
+        for layer in range(len(taps.routers))
+        for expert in range(taps.routers[0].num_experts)
     )
-    return ("moe/aux_loss", *counts, "moe/replay_agreed", "moe/replay_compared") if routers else ()
+    return ("moe/aux_loss", *counts, "moe/replay_agreed", "moe/replay_compared")
 
 
 def routing_stats(sums: Mapping[str, float], tokens: float) -> dict[str, float]:
