@@ -44,10 +44,14 @@ class SamplingParams:
 @dataclass
 class GenerationRequest:
     """One sequence to extend. `request_id` also seeds its sampling noise, so a request draws the
-    same tokens whichever batch it lands in."""
+    same tokens whichever batch it lands in. `media`: a multimodal prompt's preprocessed inputs
+    (the processor's tensors such as `pixel_values` and `image_grid_thw`, `key` naming them, and
+    `decoded`, the media as `(kind, array)` pairs for engines that run the processor
+    themselves); `prompt_ids` already hold one placeholder token per vision token."""
 
     request_id: str
     prompt_ids: list[int]
+    media: Mapping[str, Any] | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@
 | field | written by | value |
 | --- | --- | --- |
 | prompt_ids, answer, extra | feeder | token ids; reference answer; reward kwargs |
+| media | feeder (a vision-language policy) | {key, store}: where the prompt's preprocessed media are (`streamrl.media.prepare`), or None for a text prompt |
 | response_ids, rollout_logprobs, versions, finish_reason | rollout | token ids; per-token log-prob and policy version; "stop" or "length" |
 | routed_experts | rollout (`algorithm.routing_replay=rollout`) | uint8 [positions, MoE layers, k]: the experts the engine routed each prompt and response position to (all but the last token's), under the policy version that produced it |
 | loss_mask, episode | rollout (agent runs only) | 1 on model-sampled tokens, 0 on tool / environment / template tokens; the episode's outcome (final answer, status, turns, tool calls, workflow reward) |
@@ -18,6 +19,7 @@
 PROMPT_IDS = "prompt_ids"
 ANSWER = "answer"
 EXTRA = "extra"
+MEDIA = "media"
 RESPONSE_IDS = "response_ids"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 VERSIONS = "versions"

@@ -56,3 +56,23 @@ def groups_per_step(cfg: Config) -> int:
 def held_groups(cfg: Config, groups_per_step: int) -> int:
     """Extra bus capacity for the trained rows no checkpoint covers yet (in-place recovery)."""
     return cfg.trainer.checkpoint_every * groups_per_step if in_place_recovery(cfg) else 0
+
+
+# Built-in tasks whose prompts hold images: the built-in model is then a vision-language one.
+VISION_TASKS = ("shapes",)
+
+
+def multimodal(cfg: Config) -> bool:
+    """Whether the policy takes images or video: a `model.path` whose config has a vision
+    tower, or the built-in model of a built-in vision task. Every role that reads a prompt
+    then reads its `media` field too."""
+    if cfg.model.path is None:
+        return cfg.data.train_file is None and cfg.data.task in VISION_TASKS
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config

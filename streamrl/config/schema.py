@@ -77,13 +77,31 @@ class WarmStartConfig(Section):
     teacher_miscopy: float = Field(0.7, ge=0, le=1)
     """Calculator task: fraction of the teacher's tool answers that copy the result without
     its last digit."""
+    teacher_miss_circles: float = Field(0.8, ge=0, le=1)
+    """Shapes task: fraction of the teacher's answers that do not see circles."""
+
+
+class MediaConfig(Section):
+    """Limits on the images, videos and audio of one prompt (docs/multimodal.md)."""
+
+    max_pixels: int = Field(1280 * 28 * 28, ge=28 * 28)
+    """Pixels of an image or of one video frame; larger ones are shrunk (aspect kept), and one
+    over 64 times this is refused unread."""
+    max_frames: int = Field(64, ge=1)
+    """Frames of a video; a longer one is refused (sample it at a lower rate)."""
+    max_audio_seconds: float = Field(30.0, gt=0)
+    """Seconds of an audio clip; a longer one is refused."""
+    max_media: int = Field(8, ge=1)
+    """Images, videos and audio clips of one prompt together."""
 
 
 class DataConfig(Section):
-    task: Literal["arith", "calculator"] = "arith"
+    task: Literal["arith", "calculator", "shapes"] = "arith"
     """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
-    solution) or `calculator` (products the model answers with a `calculate` tool; an agent
-    task, `examples/agent_calculator.yaml`)."""
+    solution), `calculator` (products the model answers with a `calculate` tool; an agent
+    task, `examples/agent_calculator.yaml`) or `shapes` (counting coloured shapes in a
+    generated picture; a vision task for the built-in vision-language model,
+    `examples/vision.yaml`)."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
@@ -113,6 +131,8 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """A system message put before every prompt (through the chat template, so not with
     chat_template=false); a conversation with a system message of its own keeps that one."""
+    media: MediaConfig = MediaConfig()
+    """Limits on the media of a prompt (images, videos, audio)."""
 
     @model_validator(mode="after")
     def _check_formats(self) -> DataConfig:

@@ -4,7 +4,9 @@ row by row.
 
 A dataset row is `{"prompt": str, "answer": str}` (extra keys travel to the reward function as
 keyword arguments); the prompt may also be a conversation, a list of chat messages ending with a
-user turn (`streamrl.data.prompts`). Rows that keep them under other keys name them with
+user turn (`streamrl.data.prompts`). A row may hold images, videos and audio, as chat content
+parts or in veRL's / TRL's media columns (`streamrl.media.refs`); they are read when the feeder
+first uses the row. Rows that keep them under other keys name them with
 `data.prompt_key` and `data.answer_key`, dotted into nested records (veRL's Parquet files:
 `prompt` and `reward_model.ground_truth`). A malformed row in a user file is reported with its
 file and line (or row number) and skipped; a file with no valid row is an error.
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from streamrl.data import arith, calculator
+from streamrl.data import arith, calculator, shapes
 from streamrl.data.prompts import Prompt
+from streamrl.media.refs import COLUMNS, MediaRef, extract_media, has_media
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,11 @@ class PromptRow:
     prompt: Prompt
     answer: str
     extra: dict[str, Any] = field(default_factory=dict)
+    media: tuple[MediaRef, ...] = ()
+    """The prompt's images, videos and audio, in the order of its media parts (the prompt is
+    then a conversation whose contents are lists of parts)."""
+    origin: str = field(default="", compare=False)
+    """Where the row came from (a file and line), for messages about it."""
 
 
 @dataclass
@@ -55,6 +63,8 @@ def rows_digest(rows: list[PromptRow]) -> str:
     h = hashlib.sha256()
     for row in rows:
         h.update(json.dumps([row.prompt, row.answer], ensure_ascii=False).encode())
+        for ref in row.media:
+            h.update(ref.describe().encode())
         h.update(b"\n")
     return h.hexdigest()[:16]
 
@@ -62,7 +72,22 @@ def rows_digest(rows: list[PromptRow]) -> str:
 def builtin_rows(
     num: int, *, digits: int, seed: int, split: str, task: str = "arith"
 ) -> list[PromptRow]:
-    """`num` rows of the built-in task `task` (`arith` or `calculator`)."""
+    """`num` rows of the built-in task `task` (`arith`, `calculator` or `shapes`)."""
+    if task == "shapes":
+        return [
+            PromptRow(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}, {"type": "text", "text": p.prompt}],
+                    }
+                ],
+                p.answer,
+                media=(MediaRef("image", data=p.png()),),
+                origin=f"built-in shapes picture {p.seed}",
+            )
+            for p in shapes.sample_pictures(num, seed=seed, split=split)
+        ]
     if task == "calculator":
         products = calculator.sample_products(num, digits=digits, seed=seed, split=split)
         return [PromptRow(p.prompt, p.answer) for p in products]
@@ -83,8 +108,14 @@ def _lookup(obj: dict[str, Any], dotted: str) -> Any:
     return obj
 
 
-def parse_row(obj: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> PromptRow:
-    """Validate one decoded row; raise ValueError saying what is wrong."""
+def parse_row(
+    obj: Any,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    base_dir: Path | None = None,
+) -> PromptRow:
+    """Validate one decoded row; raise ValueError saying what is wrong. Relative media paths
+    are read from `base_dir` (the data file's folder)."""
     if not isinstance(obj, dict):
         raise ValueError(
             f"expected an object with {prompt_key!r} and {answer_key!r}, got {type(obj).__name__}"
@@ -97,18 +128,37 @@ def parse_row(obj: Any, prompt_key: str = "prompt", answer_key: str = "answer") 
             f"missing key(s) {missing}; a row needs {prompt_key!r} and {answer_key!r} "
             "(data.prompt_key and data.answer_key name others, dotted into nested records)"
         )
-    prompt = parse_prompt(prompt)
+    media: tuple[MediaRef, ...] = ()
+    if has_media(obj, prompt):
+        multimodal = extract_media(obj, prompt, base_dir=base_dir)
+        prompt, media = _check_conversation(multimodal.messages), multimodal.media
+    else:
+        prompt = parse_prompt(prompt)
     if not isinstance(answer, (str, int, float)):
         raise ValueError(f"{answer_key!r} must be a string or number, got {type(answer).__name__}")
-    extra = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
+    columns = {name for names in COLUMNS.values() for name in names} if media else set()
+    extra = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key, *columns)}
     try:  # the reward sandbox receives them as JSON
         json.dumps(extra)
     except (TypeError, ValueError) as e:
         raise ValueError(f"a value the reward function would get is not JSON: {e}") from None
-    return PromptRow(prompt, str(answer), extra)
+    return PromptRow(prompt, str(answer), extra, media)
 
 
 ROLES = ("system", "user", "assistant")
+
+
+def _check_conversation(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A multimodal conversation (contents as lists of parts): known roles, ending with a
+    user message."""
+    for i, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"'prompt' message {i} has role {message['role']!r}, not one of {ROLES}"
+            )
+    if messages[-1]["role"] != "user":
+        raise ValueError("a conversation 'prompt' must end with a user message")
+    return messages
 
 
 def format_prompts(
@@ -127,10 +177,19 @@ def format_prompts(
         )
         if template is not None:
             last = messages[-1]  # a user message (`parse_prompt`)
-            last["content"] = template.replace("{prompt}", last["content"])
+            if isinstance(last["content"], str):
+                last["content"] = template.replace("{prompt}", last["content"])
+            else:  # a multimodal turn: the template goes around its last text part
+                parts = [dict(p) for p in last["content"]]
+                texts = [p for p in parts if p["type"] == "text"] or [{"type": "text", "text": ""}]
+                if texts[-1] not in parts:
+                    parts.append(texts[-1])
+                texts[-1]["text"] = template.replace("{prompt}", texts[-1]["text"])
+                last["content"] = parts
         if system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        prompt = messages[0]["content"] if len(messages) == 1 else messages
+        single_text = len(messages) == 1 and isinstance(messages[0]["content"], str)
+        prompt = messages[0]["content"] if single_text else messages
         out.append(replace(row, prompt=prompt))
     return out
 
@@ -326,7 +385,8 @@ def _read_rows(path: Path, prompt_key: str, answer_key: str) -> LoadReport:
         records, decode = _jsonl_lines(path), json.loads
     for where, record in records:
         try:
-            report.rows.append(parse_row(decode(record), prompt_key, answer_key))
+            row = parse_row(decode(record), prompt_key, answer_key, path.parent)
+            report.rows.append(replace(row, origin=f"{path}:{where}") if row.media else row)
         except (json.JSONDecodeError, ValueError) as e:
             report.num_skipped += 1
             report.problems.append(f"{path}:{where}: skipped malformed row: {e}")

@@ -9,6 +9,11 @@ Dynamic sampling may add refill rounds to a batch (`batch(b, round_index=r)`, r 
 `b<batch>-r<round>-p<prompt>`). Their prompts come from a second, independently shuffled order,
 at a position that depends only on (b, r), so a refill round too is a function of (seed, b, r)
 whatever the timing, and round 0 is the same batch with or without refills.
+
+A vision-language policy's feeder prepares each multimodal prompt once (`MediaPreparer`: decode,
+process, store) and writes the store's key into the row's `media` field. A prompt whose media
+cannot be used is left out for good, counted by reason, and its place in the order goes to the
+next usable prompt, so batches keep their size and stay a function of (seed, b).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from streamrl.api import fields as F
 from streamrl.api.fields import group_id, group_round  # noqa: F401 - the feeder names groups
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
+from streamrl.media.prepare import MediaPreparer, bus_value
+from streamrl.media.refs import MultimodalPrompt
 
 
 class PromptFeeder:
@@ -36,13 +43,17 @@ class PromptFeeder:
         seed: int,
         max_rounds: int = 1,
         chat_template: bool = True,
+        media: MediaPreparer | None = None,
     ):
         if not rows:
             raise ValueError("the training dataset is empty")
         self.rows = list(rows)
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.media = media  # a vision-language policy's: every row then gets a `media` field
         self._prompt_ids: dict[int, np.ndarray] = {}  # encoded on first use
+        self._media: dict[int, dict[str, str] | None] = {}
+        self._unusable: set[int] = set()  # rows whose media failed
         self.batch_prompts = batch_prompts
         self.group_size = group_size
         self.seed = seed
@@ -76,17 +87,22 @@ class PromptFeeder:
         out = []
         for j in range(self.batch_prompts):
             if round_index == 0:
-                idx = self._prompt_index(batch_index * self.batch_prompts + j)
+                position, stream = batch_index * self.batch_prompts + j, "epoch"
             else:
                 slot = batch_index * (self.max_rounds - 1) + round_index - 1
-                idx = self._prompt_index(slot * self.batch_prompts + j, stream="refill")
+                position, stream = slot * self.batch_prompts + j, "refill"
+            idx = self._prompt_index(position, stream)
+            skipped = 0
+            while not self._encode(idx):  # unusable media: the next prompt of the order
+                skipped += 1
+                if skipped >= len(self.rows):
+                    raise ValueError("no prompt of the training data has usable media")
+                idx = self._prompt_index(position + skipped, stream)
             row = self.rows[idx]
-            if idx not in self._prompt_ids:
-                self._prompt_ids[idx] = np.asarray(
-                    encode_prompt(self.tokenizer, row.prompt, chat_template=self.chat_template),
-                    dtype=np.int64,
-                )
             gid = group_id(batch_index, j, round_index)
+            fields = {F.PROMPT_IDS: self._prompt_ids[idx], F.ANSWER: row.answer, F.EXTRA: row.extra}
+            if self.media is not None:
+                fields[F.MEDIA] = self._media[idx]
             for k in range(self.group_size):
                 out.append(
                     {
@@ -94,11 +110,33 @@ class PromptFeeder:
                         "group_id": gid,
                         "group_size": self.group_size,
                         "batch_index": batch_index,
-                        "fields": {
-                            F.PROMPT_IDS: self._prompt_ids[idx],
-                            F.ANSWER: row.answer,
-                            F.EXTRA: row.extra,
-                        },
+                        "fields": dict(fields),
                     }
                 )
         return out
+
+    def _encode(self, idx: int) -> bool:
+        """Encode row `idx` on first use (and prepare its media); False if its media failed."""
+        if idx in self._prompt_ids:
+            return True
+        if idx in self._unusable:
+            return False
+        row = self.rows[idx]
+        if not row.media:
+            ids = encode_prompt(self.tokenizer, row.prompt, chat_template=self.chat_template)
+            self._prompt_ids[idx] = np.asarray(ids, dtype=np.int64)
+            self._media[idx] = None
+            return True
+        if self.media is None:
+            raise ValueError(
+                "a training prompt has images, videos or audio, but the policy takes text only"
+            )
+        prepared = self.media.prepare(
+            MultimodalPrompt(row.prompt, row.media), f"training prompt {idx} ({row.origin})"
+        )
+        if prepared is None:
+            self._unusable.add(idx)
+            return False
+        self._prompt_ids[idx] = prepared.prompt_ids
+        self._media[idx] = bus_value(prepared, self.media.cache)
+        return True

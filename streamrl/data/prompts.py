@@ -47,6 +47,13 @@ def encode_prompt(tokenizer, prompt: Prompt, *, chat_template: bool = True) -> l
     return list(ids)
 
 
+def text_of(content: str | list[dict[str, Any]]) -> str:
+    """A message's text: its content, or the text parts of a multimodal content."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
 def encode_response(tokenizer, text: str) -> list[int]:
     """Token ids of an assistant answer, closed by the end-of-turn token."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
@@ -85,7 +92,7 @@ def prompt_lengths_over(
         return {}
     texts, owner = [], []  # every text to measure, and the index of the prompt it belongs to
     for i, prompt in enumerate(prompts):
-        parts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
+        parts = [text_of(m["content"]) for m in prompt] if isinstance(prompt, list) else [prompt]
         texts += parts
         owner += [i] * len(parts)
     overhead = len(encode_prompt(tokenizer, "", chat_template=chat_template)) + TEMPLATE_SLACK

@@ -9,12 +9,19 @@ rollout may generate does (version + max_staleness).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from streamrl.api.role import RoleBase
 from streamrl.api.run import RunContext
-from streamrl.config.derived import batches_per_step, in_place_recovery, prompts_per_batch
+from streamrl.config.derived import (
+    batches_per_step,
+    in_place_recovery,
+    multimodal,
+    prompts_per_batch,
+)
 from streamrl.data.feeder import PromptFeeder
+from streamrl.media.prepare import MediaPreparer
 from streamrl.models.loading import policy_tokenizer
 
 
@@ -59,7 +66,12 @@ class FeederRole(RoleBase):
         return True
 
     def stats(self) -> dict[str, Any]:
-        return {"next_batch": self.next_batch}
+        media = self.feeder.media
+        if media is None:
+            return {"next_batch": self.next_batch}
+        # Preparing media is the feeder's work (off the trainer's path): its busy time and
+        # counts reach the run's metrics with the other roles'.
+        return {"next_batch": self.next_batch, "busy_s": media.seconds, "metrics": media.metrics()}
 
 
 def make_feeder(ctx: RunContext) -> PromptFeeder:
@@ -73,7 +85,27 @@ def make_feeder(ctx: RunContext) -> PromptFeeder:
         seed=cfg.data.seed,
         max_rounds=batches_per_step(cfg),
         chat_template=cfg.data.chat_template,
+        media=media_preparer(ctx),
     )
+
+
+def media_preparer(ctx: RunContext) -> MediaPreparer | None:
+    """A vision-language policy's media preparation (processor, store, limits), else None."""
+    if not multimodal(ctx.cfg):
+        return None
+    from streamrl.media.cache import open_cache
+    from streamrl.media.load import MediaLimits
+    from streamrl.models.processors import load_processor
+
+    m = ctx.cfg.data.media
+    limits = MediaLimits(
+        max_pixels=m.max_pixels,
+        max_frames=m.max_frames,
+        max_audio_seconds=m.max_audio_seconds,
+        max_media=m.max_media,
+    )
+    store = open_cache(Path(ctx.cfg.run.cache_dir) / "media")
+    return MediaPreparer(load_processor(ctx.policy_dir), store, limits)
 
 
 def feeder_bound(cfg, weights, start_step: int) -> Callable[[], int] | None:

@@ -56,11 +56,21 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
     _check_dir(model_dir)
     if (Path(model_dir) / "adapter_config.json").is_file():  # a LoRA run's checkpoint
         return _load_merged(model_dir, getattr(torch, dtype)).eval()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), local_files_only=True, dtype=getattr(torch, dtype)
-    )
+    auto = AutoModelForCausalLM
+    if is_multimodal_dir(model_dir):  # a vision-language model (Qwen-VL): its own auto class
+        from transformers import AutoModelForImageTextToText as auto
+    model = auto.from_pretrained(str(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
     model.eval()
     return model
+
+
+def is_multimodal_dir(model_dir: str | Path) -> bool:
+    """Whether the model in `model_dir` takes images or video (its config has a vision tower)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config
 
 
 def base_model_dir(model_dir: str | Path) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.api.run import RunContext
-from streamrl.config.derived import rows_per_batch
+from streamrl.config.derived import multimodal, rows_per_batch
 from streamrl.models.loading import load_policy_model, policy_tokenizer
 from streamrl.reference.service import LogpRole, ReferenceRole
 
@@ -19,6 +19,7 @@ def _scoring(ctx: RunContext) -> dict[str, Any]:
         "max_rows": rows_per_batch(cfg),
         "lease_s": cfg.runtime.lease_s,
         "routing_replay": cfg.algorithm.routing_replay == "rollout",
+        "multimodal": multimodal(cfg),
     }
 
 

@@ -15,6 +15,7 @@ import torch
 
 from streamrl.api import fields as F
 from streamrl.bus.transform import TransformRole
+from streamrl.media.prepare import row_media
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 CONSUMER = "reference"
@@ -25,9 +26,8 @@ def reference_fields(
     model, rows: Sequence[Mapping[str, Any]], *, pad_token_id: int, temperature: float
 ) -> dict[str, dict[str, Any]]:
     routes = [r[F.ROUTED_EXPERTS] for r in rows] if F.ROUTED_EXPERTS in rows[0] else None
-    batch = pack(
-        [r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows], pad_token_id, routes
-    )
+    prompts, responses = [r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows]
+    batch = pack(prompts, responses, pad_token_id, routes, row_media(rows))
     logp_br = response_logprobs(model, batch.to(next(model.parameters()).device), temperature)
     logp_br = logp_br.cpu()
     return {
@@ -52,10 +52,13 @@ class ReferenceRole(TransformRole):
         max_rows: int,
         lease_s: float,
         routing_replay: bool = False,
+        multimodal: bool = False,
     ):
         super().__init__(bus, max_rows=max_rows, lease_s=lease_s)
         if routing_replay:  # the rollout's experts, replayed in this forward too
             self.consumes = (*self.consumes, F.ROUTED_EXPERTS)
+        if multimodal:  # a vision-language policy: the prompts' media
+            self.consumes = (*self.consumes, F.MEDIA)
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.temperature = temperature

@@ -174,7 +174,7 @@ class BuiltinEngine:
     ) -> list[GenerationResult]:
         if not requests:
             return []
-        check_requests(requests, self.model.model.embed_tokens.weight.shape[0])
+        check_requests(requests, self.runner.text.embed_tokens.weight.shape[0])
         return _Generation(self, requests, params, on_finished, weight_poll).run()
 
 
@@ -251,7 +251,7 @@ class _Generation:
             [*self.requests[i].prompt_ids, *tokens[k][: n - 1]]
             for k, (i, n) in enumerate(zip(indices, self.count[slots].tolist(), strict=True))
         ]
-        self.runner.prefill(slots, sequences)
+        self.runner.prefill(slots, sequences, [self.requests[i].media for i in indices])
         self._keep_prefill_routes(indices)  # the later tokens are computed over these
 
     def _keep_prefill_routes(self, requests: Sequence[int]) -> None:
@@ -277,7 +277,8 @@ class _Generation:
         if len(new_slots):
             requests = self.request[new_slots].tolist()
             prompts = [self.requests[i].prompt_ids for i in requests]
-            prefilled = self.runner.prefill(new_slots, prompts)
+            media = [self.requests[i].media for i in requests]
+            prefilled = self.runner.prefill(new_slots, prompts, media)
             self._keep_prefill_routes(requests)
             self.length[new_slots] = torch.tensor([len(p) for p in prompts], device=self.device)
             decoded, logits = logits, prefilled.new_zeros((self.num_used, prefilled.shape[-1]))

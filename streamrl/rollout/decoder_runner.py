@@ -6,8 +6,10 @@ runs its AVX2 kernels: about twice the throughput), about twenty tensor ops a la
 step, no Python work per sequence. Mixture-of-experts layers (Qwen3-MoE) route with
 `streamrl.models.moe.route` and can leave the experts of every token behind for routing replay.
 In fp32 the norms and the attention scale are folded into the projections; below fp32 the
-runner keeps transformers' order of operations (`_LayerWeights`). `rollout/builtin_engine.py`
-drives it: slots, sampling and results.
+runner keeps transformers' order of operations (`_LayerWeights`). Qwen-VL models run their
+language model here too, with prompts' embeddings and 3-D positions from their vision tower
+(`streamrl.rollout.vision_prompts`). `rollout/builtin_engine.py` drives it: slots, sampling and
+results.
 """
 
 from __future__ import annotations
@@ -21,17 +23,26 @@ import torch.nn.functional as F
 
 from streamrl.models.moe import check_routable, route
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
+from streamrl.models.vision import is_vision_language, placeholder_ids, text_model
+from streamrl.rollout.vision_prompts import mrope_bands, prompt_inputs, rotary_tables
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+# Vision-language models whose language model is one of those (a Qwen2 decoder, 3-D positions).
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def unsupported(config, rope_type: str | None = None) -> str | None:
     """Why the builtin engine cannot run a model of this HF config (None: it can). `rope_type`
     is the model's own (its rotary module's); by default it is read from the config."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if config.model_type in VISION_LANGUAGE_TYPES:
+        config = config.text_config
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope_type or rope.get("rope_type", "default")
+    elif config.model_type not in SUPPORTED_MODEL_TYPES:
+        kinds = ", ".join(SUPPORTED_MODEL_TYPES + VISION_LANGUAGE_TYPES)
         return (
-            f"the builtin engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, got "
-            f"model_type {config.model_type!r}; use one of those or rollout.engine=vllm"
+            f"the builtin engine runs {kinds} models, got model_type {config.model_type!r}; use "
+            "one of those or rollout.engine=vllm"
         )
     if rope_type is None:
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -64,18 +75,23 @@ class DecoderRunner:
     """
 
     def __init__(self, model, *, use_onednn: bool | None = None, capture_routes: bool = False):
-        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-        reason = unsupported(model.config, getattr(rotary, "rope_type", None))
+        reason = unsupported(model.config)
+        if reason is None:
+            rotary = getattr(text_model(model), "rotary_emb", None)
+            reason = unsupported(model.config, getattr(rotary, "rope_type", None))
         if reason is not None:
             raise TypeError(reason)
-        config = model.config
+        config = getattr(model.config, "text_config", model.config)
         self.model = model
-        self.device = model.model.embed_tokens.weight.device
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.text = text_model(model)  # the decoder stack (a vision-language model's LM)
+        self.vision = is_vision_language(model)
+        self.device = self.text.embed_tokens.weight.device
+        self.dtype = self.text.embed_tokens.weight.dtype
         # Wanted (None: where it beats MKL, `model.onednn_linears="auto"`) and usable (fp32, CPU).
         wanted = onednn_preferred() if use_onednn is None else use_onednn
         self.use_onednn = wanted and onednn_linear_usable(self.device, self.dtype)
-        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.head_dim = self.text.layers[0].self_attn.head_dim
+        self.bands = mrope_bands(model, self.head_dim) if self.vision else None
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.eps = config.rms_norm_eps
@@ -99,7 +115,7 @@ class DecoderRunner:
         """Rebuild everything derived from the model's parameters (call after they change)."""
         self.layers = [
             _LayerWeights.of(layer, self.num_heads, self.num_kv_heads, self.use_onednn, self.fold)
-            for layer in self.model.model.layers
+            for layer in self.text.layers
         ]
         head = self.model.lm_head
         self.lm_head = _Linear(head.weight, head.bias, self.use_onednn)
@@ -114,30 +130,46 @@ class DecoderRunner:
         self.v_cache = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers
         ]
-        rotary = self.model.model.rotary_emb
+        rotary = self.text.rotary_emb
         positions = torch.arange(max_len, dtype=torch.float32, device=self.device)
         angles = positions[:, None] * rotary.inv_freq.float()[None, :]
         cos, sin = angles.cos() * rotary.attention_scaling, angles.sin() * rotary.attention_scaling
         # rotate_half(x) * [sin, sin] == roll(x, D/2) * [-sin, sin]: one op instead of three.
         self.cos = torch.cat([cos, cos], dim=-1).to(self.dtype)
         self.sin = torch.cat([-sin, sin], dim=-1).to(self.dtype)
+        # Per slot, how far its text positions trail its cache columns (3-D positions, <= 0).
+        self.rope_delta = torch.zeros(num_slots, dtype=torch.long, device=self.device)
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, num_columns: int) -> None:
         """Copy the first `num_columns` columns of cache rows `src` into rows `dst`."""
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst, :, :num_columns] = cache[src, :, :num_columns]
+        self.rope_delta[dst] = self.rope_delta[src]
 
-    def prefill(self, slots: torch.Tensor, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(
+        self,
+        slots: torch.Tensor,
+        prompts: Sequence[Sequence[int]],
+        media: Sequence[Any] | None = None,
+    ) -> torch.Tensor:
         """Run the prompts into cache rows `slots`; return each one's next-token logits [n, V].
+        `media` (a vision-language model) holds each prompt's processor tensors (a mapping with
+        `pixel_values`, `image_grid_thw`, ... and a `key` naming them; None for a text prompt).
 
         Identical prompts are computed once (in the slot of the first) and their rows copied.
         """
-        first_slot: dict[tuple[int, ...], int] = {}
-        for slot, prompt in zip(slots.tolist(), prompts, strict=True):
-            first_slot.setdefault(tuple(prompt), slot)
-        unique = list(first_slot)
-        unique_index = {prompt: i for i, prompt in enumerate(unique)}
-        which = self._tensor([unique_index[tuple(p)] for p in prompts])
+        media = list(media) if media is not None else [None] * len(prompts)
+        if any(m for m in media) and not self.vision:
+            raise ValueError("prompts with images or videos need a vision-language model")
+        keys = [(tuple(p), (m or {}).get("key")) for p, m in zip(prompts, media, strict=True)]
+        first_slot: dict[tuple, int] = {}
+        first_media: dict[tuple, Any] = {}
+        for slot, key, m in zip(slots.tolist(), keys, media, strict=True):
+            first_slot.setdefault(key, slot)
+            first_media.setdefault(key, m)
+        unique = [key[0] for key in first_slot]
+        unique_index = {key: i for i, key in enumerate(first_slot)}
+        which = self._tensor([unique_index[key] for key in keys])
         first = self._tensor(list(first_slot.values()))
         lengths = self._tensor([len(p) for p in unique])
         num, width = len(unique), max(len(p) for p in unique)
@@ -172,8 +204,18 @@ class DecoderRunner:
             out = out.view(num, self.num_kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
             return out.reshape(num * width, -1)
 
-        cos, sin = self.cos[:width].repeat(num, 1), self.sin[:width].repeat(num, 1)
-        hidden_nh = self._layers(ids_n, cos[:, None], sin[:, None], attend)
+        embeds_n = None
+        if self.vision:
+            inputs = [
+                prompt_inputs(self.model, self._tensor(list(p)), first_media[key])
+                for p, key in zip(unique, first_slot, strict=True)
+            ]
+            embeds_n, cos, sin = self._vision_inputs(inputs, width)
+            deltas = self._tensor([x.rope_delta for x in inputs])
+            self.rope_delta[slots] = deltas[which]
+        else:
+            cos, sin = self.cos[:width].repeat(num, 1), self.sin[:width].repeat(num, 1)
+        hidden_nh = self._layers(ids_n, cos[:, None], sin[:, None], attend, embeds_n)
         logits = self._logits(hidden_nh[self._arange(num) * width + lengths - 1])
         if self.routes is not None:  # [num * width, layers, k] -> each prompt's own positions
             per_unique = [self.routes[i * width : i * width + len(p)] for i, p in enumerate(unique)]
@@ -213,12 +255,31 @@ class DecoderRunner:
             probs = torch.softmax(torch.baddbmm(bias, queries, keys.transpose(1, 2)), dim=-1)
             return torch.bmm(probs, values).view(num, -1)
 
-        cos, sin = self.cos[positions_b][:, None], self.sin[positions_b][:, None]
+        rope_positions = positions_b + self.rope_delta[:num] if self.vision else positions_b
+        cos, sin = self.cos[rope_positions][:, None], self.sin[rope_positions][:, None]
         return self._logits(self._layers(ids_b, cos, sin, attend))
 
-    def _layers(self, ids_n: torch.Tensor, cos_n1d, sin_n1d, attend) -> torch.Tensor:
-        """The decoder stack on flat tokens; `attend` stores keys/values and returns attention."""
-        x = F.embedding(ids_n, self.model.model.embed_tokens.weight)
+    def _vision_inputs(self, inputs, width: int):
+        """Flat embeddings and rotary tables [num * width, ...] of prompts padded to `width`."""
+        embeds, cos, sin = [], [], []
+        rotary = self.text.rotary_emb
+        for x in inputs:
+            pad = width - x.embeds_lh.shape[0]
+            positions = F.pad(x.positions_3l, (0, pad))
+            c, s = rotary_tables(positions, rotary.inv_freq, self.bands)
+            cos.append(c * rotary.attention_scaling)
+            sin.append(s * rotary.attention_scaling)
+            embeds.append(F.pad(x.embeds_lh, (0, 0, 0, pad)))
+        return (
+            torch.cat(embeds).to(self.dtype),
+            torch.cat(cos).to(self.dtype),
+            torch.cat(sin).to(self.dtype),
+        )
+
+    def _layers(self, ids_n: torch.Tensor, cos_n1d, sin_n1d, attend, embeds_n=None) -> torch.Tensor:
+        """The decoder stack on flat tokens (or their given input embeddings); `attend` stores
+        keys/values and returns attention."""
+        x = F.embedding(ids_n, self.text.embed_tokens.weight) if embeds_n is None else embeds_n
         num = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         routes: list[torch.Tensor] = []
@@ -263,7 +324,10 @@ class DecoderRunner:
         return out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
 
     def _logits(self, hidden_bh: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_normalize(hidden_bh, self.eps) * self.model.model.norm.weight)
+        logits = self.lm_head(_rms_normalize(hidden_bh, self.eps) * self.text.norm.weight)
+        if self.vision:  # media placeholders are never sampled (`streamrl.models.vision`)
+            logits[:, placeholder_ids(self.model)] = float("-inf")
+        return logits
 
     def _write_cache(self, layer: int, index: torch.Tensor, k_nhd, v_nhd) -> None:
         for cache, new in ((self.k_cache[layer], k_nhd), (self.v_cache[layer], v_nhd)):

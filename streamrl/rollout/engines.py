@@ -14,6 +14,7 @@ from typing import Any
 from streamrl.api.engine import SamplingParams
 from streamrl.api.registry import engine_factory
 from streamrl.api.run import RunContext
+from streamrl.config.derived import multimodal
 from streamrl.config.schema import Config
 from streamrl.models.loading import load_policy_model, policy_tokenizer
 
@@ -54,10 +55,16 @@ def vllm_engine(ctx: RunContext):
     from streamrl.rollout.vllm_engine import VllmEngine
 
     cfg = ctx.cfg
+    config = cfg.rollout.vllm
+    if multimodal(cfg) and "limit_mm_per_prompt" not in config.engine_kwargs:
+        # vLLM sizes its encoder budget by this; a prompt over it is refused.
+        most = cfg.data.media.max_media
+        limits = {"limit_mm_per_prompt": {"image": most, "video": most}}
+        config = config.model_copy(update={"engine_kwargs": {**config.engine_kwargs, **limits}})
     return VllmEngine(
         ctx.policy_dir,
         eos_token_id=policy_tokenizer(ctx).eos_token_id,
-        config=cfg.rollout.vllm,
+        config=config,
         model_dtype=cfg.model.dtype,
         max_num_seqs=cfg.rollout.max_batch_size,
         seed=cfg.run.seed,

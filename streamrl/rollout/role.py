@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from streamrl.api.run import RunContext
+from streamrl.config.derived import multimodal
 from streamrl.rollout.engines import make_engine, rows_per_claim, sampling_params
 from streamrl.rollout.service import RolloutRole
 
@@ -18,4 +19,5 @@ def build(ctx: RunContext, bus, weights, *, start_step: int) -> RolloutRole:
         max_rows=rows_per_claim(cfg),
         inflight_updates=cfg.rollout.inflight_weight_updates,
         lease_s=cfg.runtime.lease_s,
+        multimodal=multimodal(cfg),
     )

@@ -21,6 +21,7 @@ import numpy as np
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.role import RoleBase
+from streamrl.media.prepare import row_media
 
 CONSUMER = "rollout"
 
@@ -60,7 +61,13 @@ class PublishWatcher:
 
 
 def to_requests(rows: Sequence[Mapping[str, Any]]) -> list[GenerationRequest]:
-    return [GenerationRequest(r["sample_id"], [int(t) for t in r[F.PROMPT_IDS]]) for r in rows]
+    """The engine's requests for claimed rows (a multimodal prompt's with its media, read back
+    from the run's media store)."""
+    media = row_media(rows) or [None] * len(rows)
+    return [
+        GenerationRequest(r["sample_id"], [int(t) for t in r[F.PROMPT_IDS]], m)
+        for r, m in zip(rows, media, strict=True)
+    ]
 
 
 def result_fields(result: GenerationResult) -> dict[str, Any]:
@@ -90,7 +97,10 @@ class RolloutRole(RoleBase):
         max_rows: int,
         inflight_updates: bool,
         lease_s: float,
+        multimodal: bool = False,
     ):
+        if multimodal:  # a vision-language policy: each row's media come with its prompt
+            self.claims = (*self.claims, F.MEDIA)
         self.bus = bus
         self.weights = weights
         self.engine = engine

@@ -22,6 +22,10 @@ reload skips that layer, which would keep the old weights), and the prefix cache
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`) tensors pass by reference; across processes
 they travel as one safetensors blob.
 
+Vision-language (Qwen2-VL, Qwen2.5-VL) policies: media go in as vLLM's `multi_modal_data`, the
+placeholder tokens are never sampled, and a reload also resets the encoder cache (vision outputs
+of the old weights): `rollout/vllm_vision.py`.
+
 `rollout/vllm_engine.py` runs the generation loop over one or more of these.
 """
 
@@ -43,6 +47,12 @@ from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.config.schema import VllmConfig
 from streamrl.models.moe import MAX_EXPERTS, ROUTE_DTYPE, check_routable, merge_routes
 from streamrl.rollout.seeds import request_seed
+from streamrl.rollout.vllm_vision import (
+    SHIMS_ENV,
+    VisionInputs,
+    is_vision_language_dir,
+    vision_executor,
+)
 
 
 @dataclass
@@ -118,6 +128,15 @@ class Replica:
         # across processes vLLM's RPC cannot pickle them, so they travel as safetensors bytes.
         backend = self.engine.vllm_config.parallel_config.distributed_executor_backend
         self.workers_in_process = config.in_process and backend == "uni"
+        self.vision: VisionInputs | None = None
+        if self.engine.model_config.is_multimodal_model:
+            try:
+                self.vision = VisionInputs.of(
+                    self.engine.model_config.hf_config, self.llm.get_tokenizer()
+                )
+            except ValueError:
+                self.engine.engine_core.shutdown()
+                raise
         self.version = 0
         self.running: dict[str, SequenceState] = {}
 
@@ -144,8 +163,13 @@ class Replica:
             # the forward pass of a small model. An in-flight update reads the unfinished
             # attempts' tokens from vLLM's request states instead (`_partial`).
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # A vision-language model's placeholder tokens, never sampled (`VisionInputs`).
+            bad_words=None if self.vision is None else list(self.vision.bad_words),
         )
-        prompt = TokensPrompt(prompt_token_ids=list(seq.prompt))
+        if self.vision is None:
+            prompt = TokensPrompt(prompt_token_ids=list(seq.prompt))
+        else:
+            prompt = self.vision.prompt(seq.request, seq.response_ids)
         seq.internal_id = self.engine.add_request(seq.vllm_id, prompt, sampling)
         seq.engines.append(self.index)
         self.running[seq.vllm_id] = seq
@@ -158,6 +182,13 @@ class Replica:
         for out in self.engine.step():
             assert out.finished, "FINAL_ONLY requests report only when they finish"
             seq = self.running.pop(out.request_id)
+            if seq.request.media and list(out.prompt_token_ids or ()) != list(seq.prompt):
+                raise RuntimeError(
+                    f"vLLM expanded the media of request {seq.request.request_id!r} to "
+                    f"{len(out.prompt_token_ids or ())} prompt tokens, not to the "
+                    f"{len(seq.prompt)} the request holds: the processor in the model "
+                    "directory is not the one that prepared the prompt (sizes, merge size)"
+                )
             completion = out.outputs[0]
             self._take_routes([seq], [len(completion.token_ids)])
             seq.record(completion.token_ids, completion.logprobs, self.version)
@@ -179,8 +210,8 @@ class Replica:
         return sequences
 
     def load_weights(self, version: int, payload: Any) -> None:
-        """Reload weights in place and reset the prefix cache; only between steps, when this
-        replica runs nothing."""
+        """Reload weights in place and reset the prefix cache (and a vision-language model's
+        encoder cache); only between steps, when this replica runs nothing."""
         if self.running or self.engine.has_unfinished_requests():
             raise RuntimeError("VllmEngine.load_weights called while requests are running")
         self.llm.collective_rpc("streamrl_load_weights", args=(payload,))
@@ -188,6 +219,11 @@ class Replica:
             raise RuntimeError(
                 f"vLLM engine {self.index} refused to reset its prefix cache after a weight update"
             )
+        if self.vision is not None:
+            # Vision outputs of the old weights, kept per medium: reused, they would be stale,
+            # and after a reload vLLM's scheduler and model runner no longer agree on what
+            # is cached ("Encoder cache miss" when an image comes again).
+            self.engine.reset_encoder_cache()
         self.version = version
 
     def close(self) -> None:
@@ -302,6 +338,12 @@ def start_llm(
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    vision = is_vision_language_dir(model_dir)
+    if vision:
+        from streamrl.models.processors import install_vllm_shims
+
+        install_vllm_shims()  # vLLM inspects the model and runs its processor here
+        env = {**env, SHIMS_ENV: "1"}  # and in worker processes (the bottom of this module)
     import vllm.envs
     from vllm import LLM
 
@@ -331,6 +373,8 @@ def start_llm(
     )
     if config.in_process:
         kwargs["distributed_executor_backend"] = "uni"
+    elif vision and "distributed_executor_backend" not in config.engine_kwargs:
+        kwargs["distributed_executor_backend"] = vision_executor(config)
     kwargs.update(config.engine_kwargs)
     try:
         with _environment(env):
@@ -374,8 +418,10 @@ class WorkerExtension:
             # The checkpoint has no output-layer weight, so the reload skipped that layer: point
             # it at the new embedding again and rebuild what its kernel derived from the weight
             # (on CPU a packed copy for the logits GEMM, which would otherwise keep old values).
-            lm_head = model.lm_head
-            lm_head.weight = model.model.embed_tokens.weight
+            # (A vision-language model's output layer is its language model's.)
+            language_model = getattr(model, "language_model", model)
+            lm_head = language_model.lm_head
+            lm_head.weight = language_model.model.embed_tokens.weight
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def streamrl_capture_routes(self) -> int:
@@ -481,10 +527,11 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 class _ExpectedReloadSkips(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights" warning, logged on every reload, for the
-    layers a checkpoint never holds: the rotary embedding (it has no weights) and a tied output
-    layer (re-tied by `streamrl_load_weights`). Other layers still warn."""
+    layers a checkpoint never holds: the rotary embeddings (they have no weights), a Qwen-VL
+    model's pixel normalisation (its mean and std come from the processor config) and a tied
+    output layer (re-tied by `streamrl_load_weights`). Other layers still warn."""
 
-    def __init__(self, layers: frozenset[str]):
+    def __init__(self, layers: set[str]):
         super().__init__()
         self.layers = layers
 
@@ -497,11 +544,18 @@ class _ExpectedReloadSkips(logging.Filter):
 
 
 def _quiet_expected_reload_skips(tied: bool) -> None:
-    """Installs `_ExpectedReloadSkips` on vLLM's reload logger, once per process."""
+    """Installs `_ExpectedReloadSkips` on vLLM's reload logger, once per process; the output
+    layer joins its layers once a tied model reloads (engines of several models may share a
+    process, the first one untied)."""
     logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, _ExpectedReloadSkips) for f in logger.filters):
-        layers = {"RotaryEmbedding", "ParallelLMHead"} if tied else {"RotaryEmbedding"}
-        logger.addFilter(_ExpectedReloadSkips(frozenset(layers)))
+    installed = [f for f in logger.filters if isinstance(f, _ExpectedReloadSkips)]
+    if not installed:
+        installed = [
+            _ExpectedReloadSkips({"RotaryEmbedding", "MRotaryEmbedding", "FusedMMInputNorm"})
+        ]
+        logger.addFilter(installed[0])
+    if tied:
+        installed[0].layers.add("ParallelLMHead")
 
 
 # A transformers MoE model's experts, fused per layer: [experts, 2 * inner, hidden] (gate rows,
@@ -563,3 +617,11 @@ def checkpoint_layout(prefix: str, gate_up, down) -> list[tuple[str, Any]]:
         out.append((f"{prefix}.{e}.up_proj.weight", gate_up[e, inner:]))
         out.append((f"{prefix}.{e}.down_proj.weight", down[e]))
     return out
+
+
+# An engine-core process of its own imports this module (the worker extension) before it loads
+# the model: install the shims the process that started it had (`start_llm`).
+if os.environ.get(SHIMS_ENV) == "1":
+    from streamrl.models.processors import install_vllm_shims
+
+    install_vllm_shims()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from streamrl.api.run import RunContext
 from streamrl.config import ConfigError
+from streamrl.config.derived import multimodal
 from streamrl.config.schema import Config
 from streamrl.data.dataset import PromptRow, builtin_rows, format_prompts, load_rows
 from streamrl.data.prompts import CONVERSATION_NEEDS_TEMPLATE
@@ -68,6 +69,13 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
         conversations = sum(isinstance(row.prompt, list) for row in train + evals)
         if conversations:
             raise ValueError(f"{conversations} row(s): {CONVERSATION_NEEDS_TEMPLATE}")
+    with_media = sum(bool(row.media) for row in train + evals)
+    if with_media and not multimodal(cfg):
+        raise ValueError(
+            f"{with_media} row(s) hold images, videos or audio, but the policy takes text only: "
+            "set model.path to a vision-language model (Qwen2-VL, Qwen2.5-VL; "
+            "docs/multimodal.md)"
+        )
     return train, evals, skipped
 
 

@@ -46,6 +46,7 @@ def check_paths(cfg) -> None:
     if cfg.model.path is not None:
         check_model_dir(cfg)
         warn_on_a_trained_model(cfg)
+    check_multimodal(cfg)
     check_local_resources(cfg)
     rt = cfg.runtime
     if rt.weights.channel == "tcp":
@@ -253,6 +254,32 @@ def warn_on_a_trained_model(cfg) -> None:
             ended,
             a.lr,
             ended,
+        )
+
+
+def check_multimodal(cfg) -> None:
+    """Refuse what a vision-language policy cannot do yet, before any work (docs/multimodal.md,
+    "Not yet")."""
+    from streamrl.config.derived import multimodal
+
+    if not multimodal(cfg):
+        return
+    t = cfg.trainer
+    refused = {
+        "rollout.engine=" + cfg.rollout.engine: cfg.rollout.engine not in ("builtin", "vllm"),
+        "trainer.padding_free=true": t.padding_free,
+        f"trainer.world_size={t.world_size} (FSDP2)": t.world_size > 1,
+        f"trainer.lora.rank={t.lora.rank}": bool(t.lora.rank),
+        "agent.enabled=true": cfg.agent.enabled,
+        "algorithm.advantage.estimator=gae (a critic)": cfg.algorithm.advantage.estimator == "gae",
+        "reward.judge.enabled=true": cfg.reward.judge.enabled,
+    }
+    named = [name for name, on in refused.items() if on]
+    if named:
+        raise ConfigError(
+            f"a vision-language policy does not work with {', '.join(named)} yet: images and "
+            "video run on the builtin and vLLM engines and a one-process trainer "
+            "(docs/multimodal.md)"
         )
 
 

@@ -17,11 +17,15 @@ from typing import Any
 
 from streamrl.agents.episode import Task
 from streamrl.agents.runner import agent_runner
+from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, GenerationResult, SamplingParams
 from streamrl.api.reward import RewardResult
 from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
+from streamrl.data.role import media_preparer
+from streamrl.media.prepare import bus_value, row_media
+from streamrl.media.refs import MultimodalPrompt
 from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.role import make_eval_scorer
 from streamrl.reward.sandbox import ScoreTask
@@ -135,6 +139,15 @@ class HeldOut:
     agents: Any = None
     """An agent run's `AgentRunner` over `engine`: each prompt is an episode, and its final
     answer (or its status, when it could not finish) is what is scored."""
+    media: Sequence[Any] | None = None
+    """A vision-language policy's: each prompt's media as the engine takes them (None: text)."""
+
+    def _requests(self, suffix: str = "") -> list[GenerationRequest]:
+        media = self.media or [None] * len(self.prompt_ids)
+        return [
+            GenerationRequest(f"eval-{i}{suffix}", ids, m)
+            for i, (ids, m) in enumerate(zip(self.prompt_ids, media, strict=True))
+        ]
 
     def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Any]:
         if self.agents is None:
@@ -147,7 +160,7 @@ class HeldOut:
 
     def greedy(self) -> EvalResult:
         """Greedy answers to every row, scored."""
-        requests = [GenerationRequest(f"eval-{i}", ids) for i, ids in enumerate(self.prompt_ids)]
+        requests = self._requests()
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
         tasks, scores, hit = self._scored(self._generate(requests, params))
         failed = [s for s in scores if s.status in UNSCORED]
@@ -184,9 +197,7 @@ class HeldOut:
         failed: list[RewardResult] = []
         for k in range(samples):
             # The request id seeds a request's sampling noise: a different one for every sample.
-            requests = [
-                GenerationRequest(f"eval-{i}-{k}", ids) for i, ids in enumerate(self.prompt_ids)
-            ]
+            requests = self._requests(f"-{k}")
             _, scores, hit = self._scored(self._generate(requests, params))
             correct = [c + h for c, h in zip(correct, hit, strict=True)]
             failed += [s for s in scores if s.status in UNSCORED]
@@ -230,6 +241,30 @@ def episode_answer(done) -> GenerationResult:
     )
 
 
+def held_out_media(ctx: RunContext) -> tuple[list[PromptRow], list[Any] | None]:
+    """The held-out rows and, for a vision-language policy, each one's prepared media (with
+    `ids`, its prompt's token ids); rows whose media cannot be used are left out, with a
+    warning naming each."""
+    preparer = media_preparer(ctx)
+    if preparer is None:
+        return list(ctx.eval_rows), None
+    rows, media = [], []
+    for i, row in enumerate(ctx.eval_rows):
+        if not row.media:
+            rows.append(row)
+            media.append(None)
+            continue
+        prompt = MultimodalPrompt(row.prompt, row.media)
+        prepared = preparer.prepare(prompt, f"held-out prompt {i} ({row.origin})")
+        if prepared is not None:
+            (entry,) = row_media([{F.MEDIA: bus_value(prepared, preparer.cache)}])
+            rows.append(row)
+            media.append({**entry, "ids": prepared.prompt_ids})
+    if not rows:
+        raise ValueError("no held-out prompt has usable media")
+    return rows, media
+
+
 class Evaluator:
     """Held-out accuracy of a model (greedy, or pass@k of sampled answers), with its own engine
     over the same model object."""
@@ -238,13 +273,16 @@ class Evaluator:
         tokenizer = policy_tokenizer(ctx)
         chat = ctx.cfg.data.chat_template
         engine = builtin_engine(ctx, model)
+        rows, media = held_out_media(ctx)
         self.held_out = HeldOut(
             engine=engine,
             tokenizer=tokenizer,
-            rows=ctx.eval_rows,
+            rows=rows,
             prompt_ids=[
-                encode_prompt(tokenizer, r.prompt, chat_template=chat) for r in ctx.eval_rows
+                list(m["ids"]) if m else encode_prompt(tokenizer, r.prompt, chat_template=chat)
+                for r, m in zip(rows, media or [None] * len(rows), strict=True)
             ],
+            media=media,
             scorer=make_eval_scorer(ctx),  # its worker process starts at the first evaluation
             max_new_tokens=ctx.cfg.rollout.max_new_tokens,
             correct_at=ctx.cfg.trainer.eval_correct_at,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from streamrl.api import fields as F
+from streamrl.media.prepare import row_media
 from streamrl.metrics.memory import process_peak_bytes
 from streamrl.models import moe
 from streamrl.trainer.algos.losses import batch_normaliser
@@ -339,7 +340,9 @@ def training_forward(
     responses = [r["response_ids"] for r in rows]
     device = next(model.parameters()).device
     routes = [r[F.ROUTED_EXPERTS] for r in rows] if F.ROUTED_EXPERTS in rows[0] else None
-    batch = pack(prompts, responses, pad_token_id, None if padding_free else routes).to(device)
+    media = row_media(rows)
+    batch = pack(prompts, responses, pad_token_id, None if padding_free else routes, media)
+    batch = batch.to(device)
     if padding_free:  # the rows end to end in one sequence: no compute on padding
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
         starts = np.cumsum([0, *lengths[:-1]]).tolist()

@@ -16,7 +16,7 @@ from streamrl.api import fields as F
 from streamrl.api.role import LoopPolicy, RoleBase
 from streamrl.api.run import RunContext
 from streamrl.bus.deferred import DeferredAcks
-from streamrl.config.derived import batches_per_step, in_place_recovery
+from streamrl.config.derived import batches_per_step, in_place_recovery, multimodal
 from streamrl.config.schema import Config
 from streamrl.models.loading import load_policy_model, policy_tokenizer, resolve_device
 
@@ -45,6 +45,8 @@ def trainer_extra_fields(cfg: Config) -> tuple[str, ...]:
         extra.append(F.OLD_LOGPROBS)
     if a.routing_replay == "rollout":
         extra.append(F.ROUTED_EXPERTS)
+    if multimodal(cfg):  # a vision-language policy: the prompts' media
+        extra.append(F.MEDIA)
     if cfg.agent.enabled:  # only the model's own tokens of an episode are trained
         extra += [F.LOSS_MASK, F.EPISODE]  # (the episode: its metrics per step)
     return tuple(extra)

@@ -19,8 +19,9 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from streamrl.config.derived import multimodal
 from streamrl.config.schema import Config
-from streamrl.data import arith, calculator
+from streamrl.data import arith, calculator, shapes
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # Teacher settings of the other built-in tasks, left out of a warm start's cache key.
 _OTHER_TASKS_TEACHER = {
-    "arith": {"teacher_tool_use", "teacher_miscopy"},
-    "calculator": {"teacher_forget_carry"},
+    "arith": {"teacher_tool_use", "teacher_miscopy", "teacher_miss_circles"},
+    "calculator": {"teacher_forget_carry", "teacher_miss_circles"},
+    "shapes": {"teacher_forget_carry", "teacher_tool_use", "teacher_miscopy"},
 }
 
 
@@ -89,19 +91,28 @@ def ensure_policy_dir(
 def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # `out` appears only when complete
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model_dir(
+    build = build_tiny_model_dir
+    if multimodal(cfg):  # a built-in vision task: the tiny model with a vision tower
+        from streamrl.models.tiny_vl import build_tiny_vl_model_dir as build
+    build(
         tmp,
         hidden_size=cfg.model.hidden_size,
         num_layers=cfg.model.num_layers,
         num_heads=cfg.model.num_heads,
         seed=cfg.run.seed,
-        num_experts=cfg.model.num_experts,
-        experts_per_token=cfg.model.experts_per_token,
+        **moe_shape(cfg),
     )
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0:
         run_sft(tmp, cfg, progress)
     tmp.rename(out)
     return out
+
+
+def moe_shape(cfg: Config) -> dict[str, int]:
+    """The built-in model's expert settings (none for a dense or vision-language one)."""
+    if not cfg.model.num_experts:
+        return {}
+    return {"num_experts": cfg.model.num_experts, "experts_per_token": cfg.model.experts_per_token}
 
 
 def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
@@ -117,7 +128,10 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     configure_linears(model, cfg.model.onednn_linears)
     model.train()
     rng = random.Random(cfg.run.seed)
-    batches = teacher_batches(cfg, tokenizer, rng)
+    if cfg.data.task == "shapes":
+        batches = shapes_teacher_batches(cfg, model_dir, rng)
+    else:
+        batches = teacher_batches(cfg, tokenizer, rng)
     advance = progress("warm start (SFT on a noisy teacher)", ws.steps) if progress else None
     train_supervised(
         model,
@@ -153,8 +167,10 @@ def train_supervised(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     for _ in range(steps):
-        prompts, targets, masks = zip(*next(batches), strict=True)
-        packed = pack(prompts, targets, pad_token_id)
+        batch = next(batches)
+        prompts, targets, masks = zip(*(example[:3] for example in batch), strict=True)
+        media = [example[3] for example in batch] if len(batch[0]) > 3 else None
+        packed = pack(prompts, targets, pad_token_id, media=media)
         mask = packed.response_mask_br.clone()
         for i, target_mask in enumerate(masks):  # tool output is shown, not imitated
             mask[i, : len(target_mask)] *= torch.tensor(target_mask, dtype=mask.dtype)
@@ -169,7 +185,43 @@ def train_supervised(
             advance(1)
 
 
-Example = tuple[list[int], list[int], list[int]]
+# (prompt ids, target ids, target mask), and a multimodal prompt's processor tensors.
+Example = tuple[list[int], list[int], list[int]] | tuple[list[int], list[int], list[int], dict]
+
+
+def shapes_teacher_batches(cfg: Config, model_dir: Path, rng: random.Random):
+    """Endless batches of the shapes task's noisy teacher (`streamrl.data.shapes`), each
+    picture processed once by the model's processor."""
+    from streamrl.media.cache import MediaCache
+    from streamrl.media.load import MediaLimits
+    from streamrl.media.prepare import load_prepared, prepare_prompt
+    from streamrl.media.refs import MediaRef, MultimodalPrompt
+    from streamrl.models.processors import load_processor
+
+    ws = cfg.warm_start
+    num_pictures = 1024  # processed once: about 110 MB of pixel values
+    processor, limits = load_processor(model_dir), MediaLimits()
+    store = MediaCache(None, memory_entries=num_pictures)
+    examples = []
+    for picture in shapes.sample_pictures(num_pictures, seed=cfg.run.seed + 1, split="train"):
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": picture.prompt}],
+            }
+        ]
+        prompt = MultimodalPrompt(messages, (MediaRef("image", data=picture.png()),))
+        prepared = prepare_prompt(prompt, processor, store, limits=limits)
+        examples.append((picture, list(prepared.prompt_ids), prepared.media_key))
+    tokenizer = processor.tokenizer
+    while True:
+        batch = []
+        for picture, prompt_ids, key in rng.sample(examples, ws.batch_size):
+            target = encode_response(
+                tokenizer, shapes.teacher_solution(picture, rng, ws.teacher_miss_circles)
+            )
+            batch.append((prompt_ids, target, [1] * len(target), load_prepared(store, key)[0]))
+        yield batch
 
 
 def teacher_batches(cfg: Config, tokenizer, rng: random.Random) -> Iterator[list[Example]]:

@@ -1,0 +1,373 @@
+"""Qwen2.5-VL processors without torchvision: a numpy/PIL video processor and three small shims.
+
+Checked on transformers 5.19 and vLLM 0.32 (CPU build), where torchvision is not installed. What
+each piece works around:
+
+- `NumpyQwen2VLVideoProcessor`: transformers' only Qwen2-VL video processor
+  (`Qwen2VLVideoProcessor`) is built on torchvision, so without it there is none at all. This one
+  does the same work with PIL and numpy: resize every frame like the PIL image processor does
+  (bicubic, both sides multiples of `patch_size * merge_size`, area within min/max pixels),
+  rescale and normalise with the image processor's mean/std, repeat the last frame up to a
+  multiple of `temporal_patch_size`, and cut the frames into the patch layout the vision tower
+  reads. vLLM normalises pixels on the device for Qwen-VL models (with the *image* processor's
+  mean/std) and so calls it with `do_rescale=False, do_normalize=False`: it then returns resized
+  raw pixel values.
+- `install_transformers_shims()`: (1) `ProcessorMixin` checks a video processor's class by
+  looking up `transformers.VideoProcessorMixin` and, failing that, `VIDEO_PROCESSOR_MAPPING`,
+  both torchvision-only placeholders at the top level (constructing `Qwen2_5_VLProcessor` fails
+  with "type object 'VIDEO_PROCESSOR_MAPPING' has no attribute '_extra_content'"): the real
+  `VideoProcessorMixin` is exposed there. (2) `AutoVideoProcessor`, which `from_pretrained` uses
+  for the video processor, finds no class without torchvision: the numpy one is registered for
+  `Qwen2_5_VLConfig`, so a saved processor loads back.
+- `install_vllm_shims()`: vLLM's Qwen-VL model files import `smart_resize` from
+  `transformers.models.qwen2_vl.image_processing_qwen2_vl`, which imports torchvision at its top;
+  a stand-in module with the same `smart_resize` (the PIL image processor's copy) is put in its
+  place. vLLM also inspects a model class it has not imported yet in a fresh subprocess
+  (`registry._run_in_subprocess`), which would lack the stand-in and fail ("Model architectures
+  ['Qwen2_5_VLForConditionalGeneration'] failed to be inspected"): the class is imported here
+  and registered with `ModelRegistry` directly. Also installs the transformers shims, since vLLM
+  loads the processor from the model directory in the process that runs `vllm.LLM` (in-process
+  engines only: an engine core in a process of its own would not have them).
+
+Every shim applies only where torchvision is missing, and installing twice does nothing more.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from transformers.processing_utils import VideosKwargs
+from transformers.utils import is_torchvision_available
+from transformers.video_processing_utils import VideoProcessorMixin
+from transformers.video_utils import VideoMetadata, make_batched_videos
+
+PATCH_SIZE = 14
+TEMPORAL_PATCH_SIZE = 2
+MERGE_SIZE = 2
+QWEN_VL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_VLLM_SHIMS_INSTALLED = False
+# The per-call settings that fall back to the instance's (besides `size`).
+SETTINGS = (
+    "do_resize do_rescale rescale_factor do_normalize image_mean image_std "
+    "patch_size temporal_patch_size merge_size"
+).split()
+
+
+class _VideoKwargs(VideosKwargs, total=False):
+    """The keyword arguments the video processor takes (at construction and per call)."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+
+class NumpyQwen2VLVideoProcessor(VideoProcessorMixin):
+    """Qwen2-VL / Qwen2.5-VL video processor in numpy and PIL (no torchvision).
+
+    A video is a list of frames (PIL images or HxWx3 uint8 arrays) or one (T, H, W, 3) uint8
+    array; frames are used as given (no frame sampling). Returns `pixel_values_videos`
+    (num_patches, 3 * temporal_patch_size * patch_size**2) and `video_grid_thw` (num_videos, 3),
+    plus `video_metadata` when `return_metadata` is set (the Qwen2.5-VL processor reads the
+    sampled fps from it to time the video's positions).
+    """
+
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+    valid_kwargs = _VideoKwargs
+
+    def __init__(
+        self,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        size: dict[str, int] | None = None,
+        do_resize: bool = True,
+        do_rescale: bool = True,
+        rescale_factor: float = 1 / 255,
+        do_normalize: bool = True,
+        image_mean: list[float] | None = None,
+        image_std: list[float] | None = None,
+        patch_size: int = PATCH_SIZE,
+        temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+        merge_size: int = MERGE_SIZE,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("video_processor_type", None)
+        kwargs.pop("image_processor_type", None)
+        super().__init__(**kwargs)
+        size = dict(size or {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
+        if min_pixels is not None:
+            size["shortest_edge"] = min_pixels
+        if max_pixels is not None:
+            size["longest_edge"] = max_pixels
+        self.size = size
+        self.do_resize = do_resize
+        self.do_rescale = do_rescale
+        self.rescale_factor = rescale_factor
+        self.do_normalize = do_normalize
+        self.image_mean = list(image_mean if image_mean is not None else OPENAI_CLIP_MEAN)
+        self.image_std = list(image_std if image_std is not None else OPENAI_CLIP_STD)
+        self.patch_size = patch_size
+        self.temporal_patch_size = temporal_patch_size
+        self.merge_size = merge_size
+
+    def preprocess(self, videos: Any, **kwargs: Any):  # -> transformers.BatchFeature
+        """Process one video or a batch of them; per-call keyword arguments override the
+        instance's settings (`size`, `min_pixels`, `max_pixels`, `do_rescale`, `do_normalize`,
+        ...). `video_metadata` (one per video) is passed through to the output's
+        `video_metadata`; without it each video gets fps 24 with every frame sampled."""
+        from transformers import BatchFeature
+
+        if kwargs.get("do_sample_frames"):
+            raise ValueError(
+                "NumpyQwen2VLVideoProcessor does not sample frames: pass the frames to use "
+                "(do_sample_frames=False)"
+            )
+        opts = {
+            key: kwargs[key] if kwargs.get(key) is not None else getattr(self, key)
+            for key in SETTINGS
+        }
+        size = _edges(kwargs.get("size") or self.size)
+        if kwargs.get("min_pixels") is not None:
+            size["shortest_edge"] = kwargs["min_pixels"]
+        if kwargs.get("max_pixels") is not None:
+            size["longest_edge"] = kwargs["max_pixels"]
+
+        all_patches, grids = [], []
+        batch = [np.asarray(video) for video in make_batched_videos(videos)]
+        for video in batch:
+            frames = self._frames(
+                video,
+                min_pixels=size["shortest_edge"],
+                max_pixels=size["longest_edge"],
+                do_resize=opts["do_resize"],
+                factor=opts["patch_size"] * opts["merge_size"],
+            )
+            if opts["do_rescale"]:
+                frames = frames * np.float32(opts["rescale_factor"])
+            if opts["do_normalize"]:
+                mean = np.asarray(opts["image_mean"], dtype=np.float32)[:, None, None]
+                std = np.asarray(opts["image_std"], dtype=np.float32)[:, None, None]
+                frames = (frames - mean) / std
+            patches, grid = video_patches(
+                frames, opts["patch_size"], opts["temporal_patch_size"], opts["merge_size"]
+            )
+            all_patches.append(patches)
+            grids.append(grid)
+        data = {
+            "pixel_values_videos": np.concatenate(all_patches, axis=0),
+            "video_grid_thw": np.asarray(grids, dtype=np.int64),
+        }
+        if kwargs.get("return_metadata"):
+            data["video_metadata"] = _metadata(kwargs.get("video_metadata"), batch)
+        return BatchFeature(
+            data,
+            tensor_type=kwargs.get("return_tensors"),
+            skip_tensor_conversion=["video_metadata"],
+        )
+
+    @staticmethod
+    def _frames(
+        video: np.ndarray, *, min_pixels: int, max_pixels: int, do_resize: bool, factor: int
+    ) -> np.ndarray:
+        """(T, H, W, 3) uint8 -> (T, 3, H', W') float32, resized like the PIL image processor."""
+        if video.ndim != 4 or video.shape[-1] not in (1, 3):
+            raise ValueError(
+                f"a video must be (T, H, W, 3) or a list of HxWx3 frames, got shape {video.shape}"
+            )
+        height, width = video.shape[1:3]
+        if do_resize:
+            height, width = smart_resize(
+                height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
+            )
+        frames = []
+        for frame in video:
+            image = Image.fromarray(np.asarray(frame, dtype=np.uint8).squeeze()).convert("RGB")
+            if image.size != (width, height):
+                image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+            frames.append(np.asarray(image, dtype=np.float32).transpose(2, 0, 1))
+        return np.stack(frames)
+
+    def get_num_of_video_patches(
+        self, num_frames: int, height: int, width: int, videos_kwargs: dict | None = None
+    ) -> int:
+        """The number of patches (before merging) a video of this size becomes."""
+        kwargs = videos_kwargs or {}
+        size = kwargs.get("size") or self.size
+        factor = self.patch_size * self.merge_size
+        height, width = smart_resize(
+            height,
+            width,
+            factor=factor,
+            min_pixels=size["shortest_edge"],
+            max_pixels=size["longest_edge"],
+        )
+        grid_t = -(-num_frames // self.temporal_patch_size)
+        return grid_t * (height // self.patch_size) * (width // self.patch_size)
+
+
+def video_patches(
+    frames_tchw: np.ndarray, patch_size: int, temporal_patch_size: int, merge_size: int
+) -> tuple[np.ndarray, list[int]]:
+    """Cut (T, C, H, W) frames into Qwen-VL patches: (grid_t * grid_h * grid_w, C * temporal
+    * patch * patch) and the grid [grid_t, grid_h, grid_w]. The last frame repeats up to a
+    multiple of `temporal_patch_size`. Rows go time step by time step, and within one in
+    merge_size x merge_size blocks (the tokens merged into one); each row is channel-major, then
+    time, then pixel row and column (the vision tower's Conv3d weight layout)."""
+    num_frames, channels, height, width = frames_tchw.shape
+    if pad := -num_frames % temporal_patch_size:
+        frames_tchw = np.concatenate([frames_tchw, np.repeat(frames_tchw[-1:], pad, axis=0)])
+        num_frames += pad
+    grid_t = num_frames // temporal_patch_size
+    grid_h, grid_w = height // patch_size, width // patch_size
+    blocks = frames_tchw.reshape(
+        grid_t,
+        temporal_patch_size,
+        channels,
+        grid_h // merge_size,
+        merge_size,
+        patch_size,
+        grid_w // merge_size,
+        merge_size,
+        patch_size,
+    )
+    # -> (t, block row, block col, row in block, col in block, C, dt, ph, pw)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    patches = blocks.reshape(
+        grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size
+    )
+    return np.ascontiguousarray(patches, dtype=np.float32), [grid_t, grid_h, grid_w]
+
+
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 1003520
+) -> tuple[int, int]:
+    """Qwen-VL's resize rule (the PIL image processor's own function): both sides multiples of
+    `factor`, area within [min_pixels, max_pixels], aspect ratio kept as well as it can be."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        smart_resize as qwen_smart_resize,
+    )
+
+    return qwen_smart_resize(
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+
+
+def _edges(size: Any) -> dict[str, int]:
+    """`size` (a dict or transformers' `SizeDict`) as {"shortest_edge", "longest_edge"} in
+    pixels of area, the Qwen-VL meaning of the two."""
+    get = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+    edges = {"shortest_edge": get("shortest_edge"), "longest_edge": get("longest_edge")}
+    if None in edges.values():
+        raise ValueError(f"size must give shortest_edge and longest_edge (pixels), got {size}")
+    return edges
+
+
+def _metadata(given: Any, videos: list[np.ndarray]) -> list[VideoMetadata]:
+    """One `VideoMetadata` per video: the given ones (dicts or objects), else fps 24 with
+    every frame sampled."""
+    if given is None:
+        given = [None] * len(videos)
+    elif isinstance(given, (dict, VideoMetadata)):
+        given = [given]
+    if len(given) != len(videos):
+        raise ValueError(f"got {len(given)} video_metadata entries for {len(videos)} videos")
+    out = []
+    for meta, video in zip(given, videos, strict=True):
+        if meta is None:
+            meta = {"total_num_frames": len(video), "fps": 24.0}
+        if isinstance(meta, dict):
+            meta = VideoMetadata(**{k: v for k, v in meta.items() if k != "do_sample_frames"})
+        out.append(meta)
+    return out
+
+
+def install_transformers_shims() -> None:
+    """Make `Qwen2_5_VLProcessor` constructible and loadable without torchvision (see the
+    module docstring); idempotent, and a no-op where torchvision is installed."""
+    if is_torchvision_available():
+        return
+    import transformers
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.auto.video_processing_auto import (
+        VIDEO_PROCESSOR_MAPPING,
+        AutoVideoProcessor,
+    )
+
+    if "VideoProcessorMixin" not in vars(transformers):
+        transformers.VideoProcessorMixin = VideoProcessorMixin
+    registered = VIDEO_PROCESSOR_MAPPING._extra_content.get(Qwen2_5_VLConfig) or {}
+    if registered.get("torchvision") is not NumpyQwen2VLVideoProcessor:
+        AutoVideoProcessor.register(
+            Qwen2_5_VLConfig,
+            video_processor_classes={"torchvision": NumpyQwen2VLVideoProcessor},
+            exist_ok=True,
+        )
+
+
+def install_vllm_shims() -> None:
+    """Call before vLLM loads a Qwen-VL model: the transformers shims plus a stand-in for the
+    torchvision-only module vLLM takes `smart_resize` from; idempotent."""
+    install_transformers_shims()
+    if is_torchvision_available() or _VLLM_SHIMS_INSTALLED:
+        return
+    if QWEN_VL_IMAGE_MODULE not in sys.modules:
+        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+        stand_in = types.ModuleType(
+            QWEN_VL_IMAGE_MODULE,
+            "Stand-in installed by streamrl.models.processors (torchvision is missing): only "
+            "`smart_resize`, taken from the PIL image processor module.",
+        )
+        stand_in.smart_resize = pil.smart_resize
+        sys.modules[QWEN_VL_IMAGE_MODULE] = stand_in
+    # vLLM inspects a lazily registered architecture by importing it in a fresh subprocess,
+    # which would not have the stand-in: register the class imported here instead.
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    ModelRegistry.register_model(
+        "Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLForConditionalGeneration
+    )
+    globals()["_VLLM_SHIMS_INSTALLED"] = True
+
+
+def build_processor(
+    tokenizer: Any, *, min_pixels: int, max_pixels: int, chat_template: str | None = None
+):  # -> transformers.Qwen2_5_VLProcessor
+    """A Qwen2.5-VL processor around `tokenizer`: the PIL image processor and the numpy video
+    processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    install_transformers_shims()
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    video_processor = NumpyQwen2VLVideoProcessor(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        image_mean=list(image_processor.image_mean),
+        image_std=list(image_processor.image_std),
+    )
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=chat_template if chat_template is not None else tokenizer.chat_template,
+    )
+
+
+def load_processor(model_dir: Path | str):  # -> transformers.Qwen2_5_VLProcessor
+    """Load the processor saved in `model_dir` (local files only)."""
+    from transformers import AutoProcessor
+
+    install_transformers_shims()
+    return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)

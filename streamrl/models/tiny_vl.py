@@ -1,0 +1,144 @@
+"""The built-in tiny vision-language model: a standard Qwen2_5_VLForConditionalGeneration with a
+small config, the project's character-level tokenizer plus Qwen2.5-VL's vision tokens, and a
+processor (PIL image processor, numpy video processor: `streamrl.models.processors`).
+
+Like `streamrl.models.tiny`, the directory is written with `save_pretrained`, so it loads in
+transformers (`from_pretrained` and `processors.load_processor`) and in vLLM
+(`processors.install_vllm_shims()` first). Weights are random (seeded), fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamrl.models.processors import build_processor
+from streamrl.models.tokenizer import build_tokenizer
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+
+# The tokenizer's template, with `content` either a string or a list of parts: text parts are
+# written out, an image or video part becomes its placeholder (which the processor expands to
+# one pad token per merged patch).
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_vl_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """The project's character-level tokenizer with the four vision tokens appended (ids after
+    every existing one, so text ids are unchanged) and the multimodal chat template."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen2_5_vl_config(
+    tokenizer,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    vision_depth: int,
+    vision_hidden: int,
+):  # -> transformers.Qwen2_5_VLConfig
+    """A `Qwen2_5_VLConfig` for `tokenizer` (vocab padded to a multiple of 128, its special
+    token ids) with a `num_layers` text model and a `vision_depth` vision tower."""
+    from transformers import Qwen2_5_VLConfig
+
+    head_dim = hidden_size // num_heads
+    if head_dim % 8:
+        raise ValueError(f"hidden_size / num_heads = {head_dim} must be a multiple of 8 (mrope)")
+    # Multimodal RoPE splits the head's rotary frequencies into (time, height, width) sections.
+    half = head_dim // 2
+    mrope_section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = dict(
+        vocab_size=((len(tokenizer) + 127) // 128) * 128,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": mrope_section,
+        },
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision_config = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_heads=max(1, vision_hidden // 32),
+        out_hidden_size=hidden_size,
+        fullatt_block_indexes=[vision_depth - 1],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids(IMAGE_PAD),
+        video_token_id=ids(VIDEO_PAD),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
+def build_tiny_vl_model_dir(
+    out_dir: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    min_pixels: int = 28 * 28,
+    max_pixels: int = 112 * 112,
+    seed: int = 0,
+) -> Path:
+    """Create a randomly initialised tiny Qwen2.5-VL model plus tokenizer and processor in
+    `out_dir` (HF format). Images and video frames are resized to [min_pixels, max_pixels]
+    (a 56x56 image becomes 4 merged tokens). The default 2 heads make head_dim 32: vLLM's CPU
+    attention has no kernel for head_dim 16 ("Unsupported CPU attention configuration")."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_vl_tokenizer()
+    config = tiny_qwen2_5_vl_config(
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        vision_depth=vision_depth,
+        vision_hidden=vision_hidden,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    processor = build_processor(tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
+    processor.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,93 @@
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL) as the roles see them: which models are, where
+their language model sits, and the keyword arguments their forward needs for a batch.
+
+A Qwen-VL forward computes 3-D rotary positions only when it is given the token types
+(`mm_token_type_ids`); without them it silently falls back to 1-D positions and its log-probs
+drift far from an engine's. `forward_media_kwargs` passes them, with the batch's media and the
+3-D positions computed by vLLM's rule (`vl_forward.mrope_position_ids`: transformers 5.19 places
+text after a video differently), each row's from its first real token (left padding).
+
+The placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) stand for media the prompt holds; a
+response that sampled one could not be run again. The engines never sample them and the
+trainer's distribution leaves them out alike (`placeholder_ids`), so both renormalise over the
+same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` is a Qwen-VL model (a language model under `model.model.language_model`
+    beside a vision tower `model.model.visual`)."""
+    inner = getattr(model, "model", None)
+    return hasattr(inner, "language_model") and hasattr(inner, "visual")
+
+
+def text_model(model):
+    """The decoder stack (`layers`, `embed_tokens`, `norm`, `rotary_emb`) of a causal LM or of
+    a vision-language model's language model."""
+    return model.model.language_model if is_vision_language(model) else model.model
+
+
+def placeholder_ids(model) -> list[int]:
+    """The media placeholder token ids of a vision-language model (never sampled)."""
+    return [model.config.image_token_id, model.config.video_token_id]
+
+
+def forward_media_kwargs(
+    model,
+    input_ids_bt: torch.Tensor,
+    attention_mask_bt: torch.Tensor,
+    media: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The keyword arguments beside `input_ids` and `attention_mask` of a Qwen-VL forward over
+    the left-padded `input_ids_bt` whose media are `media` (concatenated in row order; empty
+    for text): token types, 3-D `position_ids` and the media tensors."""
+    device = input_ids_bt.device
+    types_bt = mm_token_type_ids(model.config, input_ids_bt) * attention_mask_bt.to(torch.int32)
+    kwargs: dict[str, Any] = {"mm_token_type_ids": types_bt}
+    dtype = next(model.parameters()).dtype
+    for name, value in media.items():
+        value = torch.as_tensor(value).to(device)
+        kwargs[name] = value.to(dtype) if name.startswith("pixel_values") else value
+    # Per row: the positions of its real tokens (media in row order), zeros on padding.
+    positions = torch.zeros((3, *input_ids_bt.shape), dtype=torch.long)
+    grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
+    done = {"image_grid_thw": 0, "video_grid_thw": 0, "second_per_grid_ts": 0}
+    for row in range(input_ids_bt.shape[0]):
+        real = attention_mask_bt[row].bool().cpu()
+        types_t = types_bt[row].cpu()[real][None]
+        counts = {1: int(_blocks(types_t, 1)), 2: int(_blocks(types_t, 2))}
+        image = _take(grids["image_grid_thw"], done, "image_grid_thw", counts[1])
+        video = _take(grids["video_grid_thw"], done, "video_grid_thw", counts[2])
+        seconds = _take(kwargs.get("second_per_grid_ts"), done, "second_per_grid_ts", counts[2])
+        positions[:, row, real] = mrope_position_ids(model.config, types_t, image, video, seconds)[
+            :, 0
+        ]
+    kwargs["position_ids"] = positions.to(device)
+    # The model keeps the last call's position offsets for decoding; a new batch starts afresh.
+    if hasattr(model.model, "rope_deltas"):
+        model.model.rope_deltas = None
+    return kwargs
+
+
+def _blocks(types_1t: torch.Tensor, kind: int) -> torch.Tensor:
+    """How many runs of `kind` tokens the row has (one per image or video)."""
+    is_kind = (types_1t[0] == kind).int()
+    return (is_kind[1:] > is_kind[:-1]).sum() + is_kind[0]
+
+
+def _take(values, done: dict[str, int], name: str, num: int):
+    """The next `num` entries of a batch-wide media tensor (None if none)."""
+    if values is None or num == 0:
+        return None
+    start = done[name]
+    done[name] = start + num
+    return values[start : start + num].cpu()

@@ -1,0 +1,239 @@
+"""vLLM's inputs for a vision-language (Qwen2-VL, Qwen2.5-VL) policy, and the processes that need
+the torchvision shims.
+
+A request's media go to vLLM as `multi_modal_data` (`VisionInputs`), which runs the model
+directory's processor on them again. vLLM 0.32 expands every placeholder token of a token prompt
+it is given media for, also one already expanded (11 prompt tokens came out as 14, silently), so
+each medium's run of placeholders is collapsed back to one token before it goes in, and vLLM's
+expanded prompt is checked against the request's when the request finishes
+(`vllm_replica.Replica.step`). The placeholder tokens are never sampled: they are vLLM
+`bad_words`, whose mask (-inf) is applied before the processed log-probs are taken, so the
+log-probs are those of the distribution renormalised without them, as the trainer's are
+(`models/vision.py`).
+
+Torchvision-free processing needs the shims of `models/processors.py` in every process where
+vLLM reads the model: the one that starts it (`vllm_replica.start_llm`); an engine core in a
+process of its own, whose executor (vLLM's, subclassed here: `vision_executor`) installs them
+first; and that executor's worker processes, which import `vllm_replica` (the worker extension)
+before they load the model and install them when `SHIMS_ENV` says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamrl.api.engine import GenerationRequest
+from streamrl.config.schema import VllmConfig
+
+# Set (to "1") in the environment the processes of a vision-language model's engine start with:
+# a vLLM worker process imports this module as the worker extension before it loads the model,
+# and installs the torchvision shims then (bottom of this module).
+SHIMS_ENV = "STREAMRL_VLLM_VISION_SHIMS"
+
+
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """How a Qwen-VL model's requests reach vLLM: the placeholder token of each kind, how many
+    a medium expands to (`merge_size`), the video time step (`temporal_patch_size` frames), and
+    the placeholders as the `bad_words` that keep them from being sampled."""
+
+    placeholders: dict[str, int]
+    bad_words: tuple[str, ...]
+    merge_size: int
+    temporal_patch_size: int
+
+    @classmethod
+    def of(cls, hf_config: Any, tokenizer: Any) -> VisionInputs:
+        """From vLLM's model config and tokenizer; raises if the model is not a Qwen-VL one or
+        its placeholder tokens would not be masked exactly (each one bad word of one token)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        if getattr(hf_config, "model_type", None) not in QWEN_VL_MODEL_TYPES:
+            raise ValueError(
+                "the vLLM engine takes media for Qwen2-VL and Qwen2.5-VL models only (model "
+                f"types {QWEN_VL_MODEL_TYPES}); this multimodal model's is "
+                f"{getattr(hf_config, 'model_type', None)!r}: use rollout.engine=builtin"
+            )
+        vision = hf_config.vision_config
+        placeholders = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
+        words = tuple(tokenizer.convert_ids_to_tokens(list(placeholders.values())))
+        probe = VllmSamplingParams(bad_words=list(words))
+        probe.update_from_tokenizer(tokenizer)
+        if probe.bad_words_token_ids != [[i] for i in placeholders.values()]:
+            raise ValueError(
+                f"the placeholder tokens {words} do not each encode to their own single id "
+                f"({probe.bad_words_token_ids} for {list(placeholders.values())}), so vLLM's "
+                "bad_words cannot keep exactly them from being sampled; check the tokenizer's "
+                "added tokens"
+            )
+        return cls(
+            placeholders,
+            words,
+            int(vision.spatial_merge_size),
+            int(vision.temporal_patch_size),
+        )
+
+    def prompt(self, request: GenerationRequest, response_ids: Sequence[int]) -> dict[str, Any]:
+        """vLLM's `TokensPrompt` for `request` continued by `response_ids`: each medium's run of
+        placeholders collapsed to one token (vLLM expands it again), and the media as
+        `multi_modal_data`, named by the request's media key so vLLM need not hash pixels."""
+        from vllm.inputs import TokensPrompt
+
+        media = request.media
+        if not media:
+            if set(np.asarray(request.prompt_ids).tolist()) & set(self.placeholders.values()):
+                raise ValueError(
+                    f"request {request.request_id!r} holds media placeholder tokens but no "
+                    "media; a multimodal prompt needs its `media`"
+                )
+            return TokensPrompt(prompt_token_ids=[*map(int, request.prompt_ids), *response_ids])
+        sizes = self._sizes(request)
+        ids = self._collapse(request, sizes)
+        data: dict[str, list[Any]] = {"image": [], "video": []}
+        uuids: dict[str, list[str]] = {"image": [], "video": []}
+        seconds = media.get("second_per_grid_ts")
+        for i, (kind, array) in enumerate(media["decoded"]):
+            if kind == "image":
+                from PIL import Image
+
+                data["image"].append(Image.fromarray(np.asarray(array, dtype=np.uint8)))
+            else:
+                step = None if seconds is None else float(seconds[len(data["video"])])
+                data["video"].append(
+                    (np.asarray(array, dtype=np.uint8), self._metadata(array, step))
+                )
+            uuids[kind].append(f"{media.get('key')}.{i}")
+        data = {kind: items for kind, items in data.items() if items}
+        prompt = TokensPrompt(prompt_token_ids=[*ids, *response_ids], multi_modal_data=data)
+        if media.get("key"):
+            prompt["multi_modal_uuids"] = {kind: uuids[kind] for kind in data}
+        return prompt
+
+    def _sizes(self, request: GenerationRequest) -> list[tuple[str, int]]:
+        """(kind, placeholder tokens) of each medium of `request`, in prompt order."""
+        media = request.media
+        assert media is not None
+        grids = {"image": media.get("image_grid_thw"), "video": media.get("video_grid_thw")}
+        sizes, used = [], {"image": 0, "video": 0}
+        for kind, _ in media["decoded"]:
+            if kind not in grids:
+                raise ValueError(
+                    f"request {request.request_id!r} holds a medium of kind {kind!r}; the vLLM "
+                    "engine takes images and videos"
+                )
+            grid = grids[kind]
+            if grid is None or used[kind] >= len(grid):
+                raise ValueError(
+                    f"request {request.request_id!r}: its media have no {kind}_grid_thw entry "
+                    f"for {kind} {used[kind]}"
+                )
+            t, h, w = (int(x) for x in np.asarray(grid[used[kind]]))
+            sizes.append((kind, t * h * w // self.merge_size**2))
+            used[kind] += 1
+        return sizes
+
+    def _collapse(self, request: GenerationRequest, sizes: list[tuple[str, int]]) -> list[int]:
+        """The prompt with each medium's `size` placeholders replaced by one."""
+        ids = [int(t) for t in request.prompt_ids]
+        out, pos, media = [], 0, iter(sizes)
+        kind_of = {token: kind for kind, token in self.placeholders.items()}
+        while pos < len(ids):
+            token = ids[pos]
+            if token not in kind_of:
+                out.append(token)
+                pos += 1
+                continue
+            kind, size = next(media, (None, 0))
+            if kind != kind_of[token] or ids[pos : pos + size] != [token] * size:
+                raise ValueError(
+                    f"request {request.request_id!r}: the {kind_of[token]} placeholders at "
+                    f"position {pos} do not match its media (next: {kind}, {size} tokens)"
+                )
+            out.append(token)
+            pos += size
+        if next(media, None) is not None:
+            raise ValueError(f"request {request.request_id!r} has more media than placeholder runs")
+        return out
+
+    def _metadata(self, frames: Any, seconds_per_step: float | None) -> dict[str, Any]:
+        """vLLM's video metadata for `frames` as they are (no frame sampling), at the frame
+        rate the processor timed them with: a time step of `temporal_patch_size` frames took
+        `seconds_per_step` (the prompt's `second_per_grid_ts`; 1 s without one, the model's
+        own default)."""
+        fps = self.temporal_patch_size / (seconds_per_step or 1.0)
+        num_frames = len(frames)
+        return {
+            "fps": fps,
+            "duration": num_frames / fps,
+            "total_num_frames": num_frames,
+            "frames_indices": list(range(num_frames)),
+            "video_backend": "opencv",
+            "do_sample_frames": False,
+        }
+
+
+def is_vision_language_dir(model_dir: Path) -> bool:
+    """Whether the model in `model_dir` has a vision tower (its `config.json` a `vision_config`)."""
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+# The executors of an engine core in its own process, for a vision-language model: vLLM's own
+# (the one it picks by default), installing the shims first. The engine-core process runs its
+# executor's `_init_executor` before anything there needs the model class (its scheduler sizes
+# the encoder budget with the model's processor). Built on first access (PEP 562 `__getattr__`)
+# so that importing this module does not import vLLM; vLLM finds them by qualified name.
+_VISION_EXECUTORS = {
+    "VisionMultiprocExecutor": ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor"),
+    "VisionUniProcExecutor": ("vllm.v1.executor.uniproc_executor", "UniProcExecutor"),
+}
+
+
+def vision_executor(config: VllmConfig) -> str:
+    """The qualified name of the executor vLLM would pick for an engine core in its own
+    process (its multiprocess one on a CPU, where vLLM requires it, or for several devices;
+    else its single-process one), installing the shims first."""
+    from vllm.platforms import current_platform
+
+    world = int(config.engine_kwargs.get("tensor_parallel_size", 1)) * int(
+        config.engine_kwargs.get("pipeline_parallel_size", 1)
+    )
+    multiprocess = current_platform.is_cpu() or world > 1
+    name = "VisionMultiprocExecutor" if multiprocess else "VisionUniProcExecutor"
+    return f"{__name__}.{name}"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _VISION_EXECUTORS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, base_name = _VISION_EXECUTORS[name]
+    base = getattr(importlib.import_module(module), base_name)
+
+    def _init_executor(self) -> None:
+        from streamrl.models.processors import install_vllm_shims
+
+        install_vllm_shims()
+        base._init_executor(self)
+
+    executor = type(
+        name,
+        (base,),
+        {
+            "__module__": __name__,
+            "__doc__": f"vLLM's {base_name}, installing the torchvision shims first.",
+            "_init_executor": _init_executor,
+        },
+    )
+    globals()[name] = executor
+    return executor
