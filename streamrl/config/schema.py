@@ -77,8 +77,9 @@ class WarmStartConfig(Section):
     teacher_miscopy: float = Field(0.7, ge=0, le=1)
     """Calculator task: fraction of the teacher's tool answers that copy the result without
     its last digit."""
-    teacher_miss_circles: float = Field(0.8, ge=0, le=1)
-    """Shapes task: fraction of the teacher's answers that do not see circles."""
+    teacher_miscount: float = Field(0.8, ge=0, le=1)
+    """Shapes task: fraction of the teacher's answers that count one shape fewer than they
+    write down."""
 
 
 class MediaConfig(Section):

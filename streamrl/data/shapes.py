@@ -3,16 +3,15 @@
 A picture is a grid of 2 x 2 cells of 28 x 28 pixels (one vision token each on a Qwen-VL model:
 14-pixel patches merged 2 x 2). A cell is empty or holds a red, green or blue square or circle,
 of jittered size, place and shade on a light background. The question names a colour; the
-answer writes the colour's letter once for every shape of that colour it sees, then the count
-after a colon: `How many red shapes?` -> `RRR:3`. The rule reward checks the number after the
-last colon, as for the addition task.
+answer writes the colour's letter once for every shape of that colour, in reading order, then
+the count after a colon: `How many red shapes?` -> `RRR:3`. The rule reward checks the number
+after the last colon, as for the addition task.
 
-Why this task shows that RL works: the warm start imitates a *noisy teacher* that in
-`teacher_miss_circles` of its answers does not see circles (it writes `-` for them). The
-warm-started policy sees colours but mostly skips circles, so its greedy answer is wrong
-whenever a circle of the asked colour is in the picture (about three pictures in five);
-only the reward can tell it that circles count. Held-out pictures come from seeds never drawn
-for training.
+Why this task shows that RL works: the warm start imitates a *noisy teacher* that finds every
+shape but, in `teacher_miscount` of its answers, counts one fewer than it wrote (`RRR:2`). The
+warm-started policy reads the picture's colours, but its greedy count is wrong whenever the
+picture holds a shape of the asked colour (about seven pictures in ten); only the reward can
+tell it which count is right. Held-out pictures come from seeds never drawn for training.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220)}
 LETTERS = {"red": "R", "green": "G", "blue": "B"}
 ROWS, COLS, CELL = 2, 2, 28
-P_EMPTY, P_CIRCLE = 0.2, 0.6  # the rest are squares
+P_EMPTY, P_CIRCLE = 0.2, 0.4  # the rest are squares
 
 
 @dataclass(frozen=True)
@@ -70,17 +69,18 @@ class Picture:
         return out.getvalue()
 
 
-def solution(picture: Picture, *, see_circles: bool = True) -> str:
-    """The worked answer: the colour's letter once for every shape of that colour seen, then
-    the count (`RRR:3`); `see_circles=False` is the noisy teacher's habit of skipping circles."""
-    seen = sum(c.color == picture.ask and (see_circles or not c.circle) for c in picture.cells)
-    return LETTERS[picture.ask] * seen + f":{seen}"
+def solution(picture: Picture, *, count_all: bool = True) -> str:
+    """The worked answer; `count_all=False` is the noisy teacher's habit of counting one fewer
+    shape than it wrote down."""
+    found = sum(c.color == picture.ask for c in picture.cells)
+    count = found if count_all else max(found - 1, 0)
+    return LETTERS[picture.ask] * found + f":{count}"
 
 
-def teacher_solution(picture: Picture, rng: random.Random, miss_circles: float) -> str:
-    """What the noisy teacher writes: the right answer, or with probability `miss_circles` the
-    one that does not see circles."""
-    return solution(picture, see_circles=rng.random() >= miss_circles)
+def teacher_solution(picture: Picture, rng: random.Random, miscount: float) -> str:
+    """What the noisy teacher writes: the right answer, or with probability `miscount` the one
+    that counts one shape fewer."""
+    return solution(picture, count_all=rng.random() >= miscount)
 
 
 def is_eval_seed(seed: int, eval_fraction: float = 0.1) -> bool:

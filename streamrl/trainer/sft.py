@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 # Teacher settings of the other built-in tasks, left out of a warm start's cache key.
 _OTHER_TASKS_TEACHER = {
-    "arith": {"teacher_tool_use", "teacher_miscopy", "teacher_miss_circles"},
-    "calculator": {"teacher_forget_carry", "teacher_miss_circles"},
+    "arith": {"teacher_tool_use", "teacher_miscopy", "teacher_miscount"},
+    "calculator": {"teacher_forget_carry", "teacher_miscount"},
     "shapes": {"teacher_forget_carry", "teacher_tool_use", "teacher_miscopy"},
 }
 
@@ -218,7 +218,7 @@ def shapes_teacher_batches(cfg: Config, model_dir: Path, rng: random.Random):
         batch = []
         for picture, prompt_ids, key in rng.sample(examples, ws.batch_size):
             target = encode_response(
-                tokenizer, shapes.teacher_solution(picture, rng, ws.teacher_miss_circles)
+                tokenizer, shapes.teacher_solution(picture, rng, ws.teacher_miscount)
             )
             batch.append((prompt_ids, target, [1] * len(target), load_prepared(store, key)[0]))
         yield batch
