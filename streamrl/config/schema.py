@@ -58,6 +58,11 @@ class ModelConfig(Section):
     of MKL; the same results to fp32 rounding. "auto": oneDNN on AVX-512 CPUs not made by Intel
     (there MKL runs its AVX2 kernels and oneDNN's products are about 2x faster), MKL elsewhere
     (on Intel CPUs MKL is the faster one)."""
+    freeze_vision: bool = False
+    """Keep a vision-language policy's vision tower (Qwen-VL `model.visual`: patch embedding,
+    blocks, merger) fixed: only the language model trains, in one process and under FSDP2.
+    The engines still receive every weight at each sync. A policy without a vision tower is
+    refused (docs/multimodal.md)."""
 
 
 class WarmStartConfig(Section):

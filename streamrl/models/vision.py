@@ -36,6 +36,21 @@ def text_model(model):
     return model.model.language_model if is_vision_language(model) else model.model
 
 
+def freeze_vision(model) -> int:
+    """Keep the vision tower's parameters fixed (`model.freeze_vision`): `requires_grad` off, so
+    the optimizer, built afterwards, leaves them out and no gradient is computed for them.
+    Returns how many parameters were frozen; a model without a vision tower is an error."""
+    if not is_vision_language(model):
+        raise ValueError(
+            f"model.freeze_vision=true, but {type(model).__name__} has no vision tower: freezing "
+            "applies to a vision-language policy (Qwen2-VL, Qwen2.5-VL); set it to false"
+        )
+    params = list(model.model.visual.parameters())
+    for param in params:
+        param.requires_grad_(False)
+    return len(params)
+
+
 def placeholder_ids(model) -> list[int]:
     """The media placeholder token ids of a vision-language model (never sampled)."""
     return [model.config.image_token_id, model.config.video_token_id]

@@ -263,12 +263,17 @@ def check_multimodal(cfg) -> None:
     from streamrl.config.derived import multimodal
 
     if not multimodal(cfg):
+        if cfg.model.freeze_vision:
+            raise ConfigError(
+                "model.freeze_vision=true, but the policy has no vision tower (its config.json "
+                "has no vision_config): freezing applies to a vision-language policy such as "
+                "Qwen2.5-VL; set model.freeze_vision=false"
+            )
         return
     t = cfg.trainer
     refused = {
         "rollout.engine=" + cfg.rollout.engine: cfg.rollout.engine not in ("builtin", "vllm"),
         "trainer.padding_free=true": t.padding_free,
-        f"trainer.world_size={t.world_size} (FSDP2)": t.world_size > 1,
         f"trainer.lora.rank={t.lora.rank}": bool(t.lora.rank),
         "agent.enabled=true": cfg.agent.enabled,
         "algorithm.advantage.estimator=gae (a critic)": cfg.algorithm.advantage.estimator == "gae",
@@ -278,7 +283,7 @@ def check_multimodal(cfg) -> None:
     if named:
         raise ConfigError(
             f"a vision-language policy does not work with {', '.join(named)} yet: images and "
-            "video run on the builtin and vLLM engines and a one-process trainer "
+            "video run on the builtin and vLLM engines with a padded-batch trainer "
             "(docs/multimodal.md)"
         )
 

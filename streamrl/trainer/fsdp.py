@@ -3,7 +3,8 @@ distributed checkpoints, and full weights for weight sync.
 
     load_sharded_model(dir, mesh, full_model on rank 0 / None elsewhere) ──> FSDPLearner(model)
       │ every rank: the model built on the meta device from config.json (no weights read)
-      │ shard_model: fully_shard(decoder layer) for each layer, then fully_shard(root);
+      │ shard_model: fully_shard(block) for each decoder layer (and vision block), then
+      │   fully_shard(root);
       │   parameters become DTensors sharded on dim 0 over the mesh
       │ to_empty(device): each rank allocates its own shards only
       │ per parameter: rank 0 broadcasts the full tensor, every rank keeps its slice;
@@ -22,7 +23,9 @@ ranks, which is what `Learner.step` assumes (it scales by world_size / global no
 - **Lockstep.** Every forward and backward all-gathers and reduce-scatters, so every rank must
   run the same number of `accumulate` calls per step. An empty micro-batch (no rows, or only
   zero-advantage ones) still runs a one-token forward/backward with a zero loss; plan equal
-  counts with `streamrl.trainer.microbatch.plan_step`.
+  counts with `streamrl.trainer.microbatch.plan_step`. A vision-language model's vision
+  blocks join in the same way: every forward runs the tower once, on a blank image when the
+  micro-batch has no media (`fsdp_vision.py`).
 - **Loading.** Only rank 0 reads the checkpoint (`RankedLearner` keeps that full copy anyway, for
   evaluation and `save_pretrained`); the other ranks never hold more than their shards plus the
   one full tensor being broadcast, so a rank needs about (model / world_size) + its largest
@@ -59,6 +62,9 @@ from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from streamrl.metrics.memory import process_peak_bytes
+from streamrl.models.loading import is_multimodal_dir
+from streamrl.models.vision import is_vision_language
+from streamrl.trainer.fsdp_vision import one_vision_call
 from streamrl.trainer.learner import STAT_MEANS, Learner, routing_stat_keys
 from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
@@ -84,8 +90,9 @@ def data_parallel_mesh(device: str = "cpu") -> DeviceMesh:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, each one FSDP all-gather unit: the modules whose class the
     model names in `_no_split_modules` (e.g. `Qwen3DecoderLayer`; how HF causal LMs mark their
-    decoder layers), or, for a model that names none, the children of its largest `ModuleList`
-    (the decoder's layer list in any decoder-only model)."""
+    decoder layers; a Qwen-VL model names its vision blocks there too, `Qwen2_5_VLVisionBlock`),
+    or, for a model that names none, the children of its largest `ModuleList` (the decoder's
+    layer list in any decoder-only model)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if layers:
@@ -108,9 +115,11 @@ def shard_model(
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard `model` in place with FSDP2: each decoder layer is one all-gather unit, the root
-    holds the rest (embeddings, final norm, output layer; tied weights stay tied). Build the
-    optimizer after this call: the parameters are replaced by DTensors.
+    """Shard `model` in place with FSDP2: each decoder layer (and a vision-language model's
+    each vision block) is one all-gather unit, the root holds the rest (embeddings, final norm,
+    output layer, the vision tower's patch embedding and merger; tied weights stay tied). Build
+    the optimizer after this call: the parameters are replaced by DTensors, keeping
+    `requires_grad` (a frozen vision tower stays frozen).
 
     `mixed_precision` (`trainer.mixed_precision`): compute in bf16 (parameters all-gathered as
     bf16), reduce gradients in fp32; the sharded parameters, gradients and optimizer state stay
@@ -119,6 +128,8 @@ def shard_model(
     layer's gathered parameters after its forward (ZeRO-3); False keeps them until backward
     (ZeRO-2 like: more memory, one all-gather fewer per layer)."""
     layers = decoder_layers(model)
+    if is_vision_language(model):  # vision blocks are units too: every rank runs the tower
+        one_vision_call(model)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
@@ -139,12 +150,17 @@ def shard_model(
 
 def empty_causal_lm(model_dir: str | Path, *, dtype: str = "float32") -> nn.Module:
     """The causal LM of `model_dir` built on the meta device from its config.json: the right
-    modules, shapes, dtypes and tied weights, and no storage; nothing but the config is read."""
+    modules, shapes, dtypes and tied weights, and no storage; nothing but the config is read.
+    A vision-language model (Qwen-VL) is built by its own auto class, as `load_causal_lm`
+    loads it, so both have the same parameter names."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    auto = AutoModelForCausalLM
+    if is_multimodal_dir(model_dir):
+        from transformers import AutoModelForImageTextToText as auto
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = auto.from_config(config, dtype=getattr(torch, dtype))
     model.eval()
     return model
 

@@ -10,6 +10,8 @@ lockstep:
     rank 0 (role process)                        ranks 1..N-1 (workers)
     accumulate(rows) ── broadcast command ──────> wait for a command
                      ── broadcast rows (safetensors blob, no pickle) ──> decode the rows
+                        (a vision-language row's `media` is its key and store: each rank
+                         reads the tensors from the media store itself, `row_media`)
     plan_step(rows): the same micro-batch plan on every rank (a pure function of the lengths)
     FSDPLearner.accumulate(own micro-batches)    FSDPLearner.accumulate(own micro-batches)
     step() / named_weights() / state: the same command, then the same collectives
@@ -32,6 +34,7 @@ group's connections close, and a watchdog sees the parent go).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -51,6 +54,7 @@ import torch.distributed as dist
 
 from streamrl.config.schema import TrainerConfig
 from streamrl.models.loading import load_causal_lm
+from streamrl.models.vision import freeze_vision
 from streamrl.trainer.fsdp import (
     FSDPLearner,
     data_parallel_mesh,
@@ -76,6 +80,7 @@ LEARNER_FIELDS = (
     "routed_experts",
     "loss_mask",
 )
+MEDIA_FIELD = "media"  # a vision-language row's {key, store} (`media.prepare.bus_value`): JSON
 _ACCUMULATE, _STEP, _WEIGHTS, _SAVE, _LOAD, _SET_VERSION, _STOP = range(7)
 OPTIMIZER_FORMAT = "fsdp-dcp"  # `optimizer_state_dict`'s marker: the state is in SHARDED_DIR
 SHARDED_DIR = "sharded"  # in a checkpoint: every rank's shard of model and optimizer (DCP)
@@ -95,17 +100,24 @@ class RankSpec:
     size; None splits each batch of rows into about one micro-batch per rank)."""
     device: str = "cpu"
     """Where the ranks' models live (`trainer.device` resolved)."""
+    freeze_vision: bool = False
+    """`model.freeze_vision`: the vision tower's parameters stay fixed on every rank."""
     num_threads: int = 1
     seed: int = 0
 
 
 def encode_rows(rows: Sequence[Mapping[str, Any]]) -> torch.Tensor:
-    """The learner's fields of `rows` as one safetensors blob (uint8 tensor)."""
+    """The learner's fields of `rows` as one safetensors blob (uint8 tensor). Rows that carry a
+    `media` field (a vision-language policy's) keep it on every row, as JSON bytes (null for a
+    text row): the ranks read the media by key, the pixels do not travel."""
     tensors: dict[str, torch.Tensor] = {}
+    with_media = any(MEDIA_FIELD in row for row in rows)
     for i, row in enumerate(rows):
         for name in LEARNER_FIELDS:
             if name in row and row[name] is not None:
                 tensors[f"{i}/{name}"] = torch.from_numpy(np.array(row[name]))
+        if with_media:
+            tensors[f"{i}/{MEDIA_FIELD}"] = _text_blob(json.dumps(row.get(MEDIA_FIELD)))
     tensors["num_rows"] = torch.tensor(len(rows))
     blob = safetensors.torch.save(tensors)
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -117,7 +129,10 @@ def decode_rows(blob: torch.Tensor) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [{} for _ in range(int(tensors.pop("num_rows")))]
     for key, value in tensors.items():
         index, name = key.split("/", 1)
-        rows[int(index)][name] = float(value) if value.dim() == 0 else value.numpy()
+        if name == MEDIA_FIELD:
+            rows[int(index)][name] = json.loads(_blob_text(value))
+        else:
+            rows[int(index)][name] = float(value) if value.dim() == 0 else value.numpy()
     return rows
 
 
@@ -147,17 +162,28 @@ def build_rank_learner(spec: RankSpec, full_model: torch.nn.Module | None) -> FS
         full_model,
         dtype=spec.dtype,
         device=spec.device,
-        wrap=functools.partial(apply_lora, lora=lora) if lora.rank else None,
+        wrap=functools.partial(_wrap, spec=spec),
         mixed_precision=spec.trainer.mixed_precision,
         activation_checkpointing=spec.trainer.activation_checkpointing,
     )
     return (ShardedLoraLearner if lora.rank else FSDPLearner)(model, **spec.learner_kwargs)
 
 
+def _wrap(model: torch.nn.Module, *, spec: RankSpec) -> torch.nn.Module:
+    """What every rank does to the model built from config.json before sharding it: LoRA
+    adapters, and `requires_grad` off on a frozen vision tower (so the sharded parameters and
+    the optimizer leave it out)."""
+    if spec.freeze_vision:
+        freeze_vision(model)
+    return apply_lora(model, lora=spec.trainer.lora) if spec.trainer.lora.rank else model
+
+
 def load_rank0_model(spec: RankSpec) -> torch.nn.Module:
     """Rank 0's unsharded CPU copy: the policy, with LoRA its adapters added (from the run's
     seed, as in one process; the ranks receive them from this copy)."""
     model = load_causal_lm(spec.model_dir, dtype=spec.dtype)
+    if spec.freeze_vision:
+        freeze_vision(model)
     return apply_lora(model, spec.trainer.lora, seed=spec.seed) if spec.trainer.lora.rank else model
 
 

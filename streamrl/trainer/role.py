@@ -56,6 +56,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
     """The policy learner: in this process, or rank 0 of `trainer.world_size` FSDP2 ranks."""
     import torch
 
+    from streamrl.models.vision import freeze_vision
     from streamrl.trainer.learner import Learner
 
     a, t = ctx.cfg.algorithm, ctx.cfg.trainer
@@ -80,6 +81,8 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         # oneDNN's linears are a custom op that inductor cannot lower and autocast does not
         # cast: a compiled or mixed-precision trainer keeps PyTorch's.
         model = load_policy_model(ctx, onednn=not (t.compile or t.mixed_precision), dtype=dtype)
+        if ctx.cfg.model.freeze_vision:  # before the optimizer is built: it leaves them out
+            freeze_vision(model)
         if t.lora.rank:
             from streamrl.trainer.lora import LoraLearner, apply_lora
 
@@ -100,6 +103,7 @@ def make_learner(ctx: RunContext) -> Learner | RankedLearner:
         device=resolve_device("trainer.device", t.device),
         num_threads=torch.get_num_threads(),
         seed=ctx.cfg.run.seed,
+        freeze_vision=ctx.cfg.model.freeze_vision,
     )
     return RankedLearner(spec, t.world_size)
 
