@@ -85,6 +85,8 @@ class WarmStartConfig(Section):
     teacher_miscount: float = Field(0.8, ge=0, le=1)
     """Shapes task: fraction of the teacher's answers that count one shape fewer than they
     write down."""
+    teacher_flip_vertical: float = Field(0.7, ge=0, le=1)
+    """Motion task: fraction of the teacher's answers that swap up and down."""
 
 
 class MediaConfig(Section):
@@ -102,12 +104,12 @@ class MediaConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arith", "calculator", "shapes"] = "arith"
+    task: Literal["arith", "calculator", "shapes", "motion"] = "arith"
     """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
     solution), `calculator` (products the model answers with a `calculate` tool; an agent
-    task, `examples/agent_calculator.yaml`) or `shapes` (counting coloured shapes in a
-    generated picture; a vision task for the built-in vision-language model,
-    `examples/vision.yaml`)."""
+    task, `examples/agent_calculator.yaml`), `shapes` (counting coloured shapes in a generated
+    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`) or
+    `motion` (which way a square moves in a short generated clip; a video task)."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from streamrl.data import arith, calculator, shapes
+from streamrl.data import arith, calculator, vision_tasks
 from streamrl.data.prompts import Prompt
 from streamrl.media.refs import COLUMNS, MediaRef, extract_media, has_media
 
@@ -73,20 +73,10 @@ def builtin_rows(
     num: int, *, digits: int, seed: int, split: str, task: str = "arith"
 ) -> list[PromptRow]:
     """`num` rows of the built-in task `task` (`arith`, `calculator` or `shapes`)."""
-    if task == "shapes":
+    if task in vision_tasks.VISION_TASKS:
         return [
-            PromptRow(
-                [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image"}, {"type": "text", "text": p.prompt}],
-                    }
-                ],
-                p.answer,
-                media=(MediaRef("image", data=p.png()),),
-                origin=f"built-in shapes picture {p.seed}",
-            )
-            for p in shapes.sample_pictures(num, seed=seed, split=split)
+            PromptRow(p.messages, p.answer, media=(p.medium,), origin=f"built-in {p.origin}")
+            for p in vision_tasks.sample(task, num, seed=seed, split=split)
         ]
     if task == "calculator":
         products = calculator.sample_products(num, digits=digits, seed=seed, split=split)

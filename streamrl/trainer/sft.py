@@ -21,7 +21,7 @@ from pathlib import Path
 
 from streamrl.config.derived import multimodal
 from streamrl.config.schema import Config
-from streamrl.data import arith, calculator, shapes
+from streamrl.data import arith, calculator, vision_tasks
 from streamrl.data.prompts import encode_prompt, encode_response
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.tiny import build_tiny_model_dir
@@ -29,11 +29,16 @@ from streamrl.models.tiny import build_tiny_model_dir
 log = logging.getLogger(__name__)
 
 
-# Teacher settings of the other built-in tasks, left out of a warm start's cache key.
+# Each built-in task's teacher settings; the other tasks' are left out of a warm start's cache
+# key (a new task's settings leave the existing tasks' keys as they were).
+_TEACHERS = {
+    "arith": {"teacher_forget_carry"},
+    "calculator": {"teacher_tool_use", "teacher_miscopy"},
+    "shapes": {"teacher_miscount"},
+    "motion": {"teacher_flip_vertical"},
+}
 _OTHER_TASKS_TEACHER = {
-    "arith": {"teacher_tool_use", "teacher_miscopy", "teacher_miscount"},
-    "calculator": {"teacher_forget_carry", "teacher_miscount"},
-    "shapes": {"teacher_forget_carry", "teacher_tool_use", "teacher_miscopy"},
+    task: set().union(*_TEACHERS.values()) - mine for task, mine in _TEACHERS.items()
 }
 
 
@@ -54,7 +59,7 @@ def warm_start_key(cfg: Config) -> str:
 
 def _unused_model_keys(cfg: Config) -> set[str]:
     """Model settings that do not change the built model (a dense model's MoE settings)."""
-    unused = {"onednn_linears"}
+    unused = {"onednn_linears", "freeze_vision"}  # freezing is for RL; the warm start trains all
     if not cfg.model.num_experts:
         unused |= {"num_experts", "experts_per_token"}
     return unused
@@ -128,8 +133,8 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     configure_linears(model, cfg.model.onednn_linears)
     model.train()
     rng = random.Random(cfg.run.seed)
-    if cfg.data.task == "shapes":
-        batches = shapes_teacher_batches(cfg, model_dir, rng)
+    if cfg.data.task in vision_tasks.VISION_TASKS:
+        batches = vision_teacher_batches(cfg, model_dir, rng)
     else:
         batches = teacher_batches(cfg, tokenizer, rng)
     advance = progress("warm start (SFT on a noisy teacher)", ws.steps) if progress else None
@@ -189,37 +194,30 @@ def train_supervised(
 Example = tuple[list[int], list[int], list[int]] | tuple[list[int], list[int], list[int], dict]
 
 
-def shapes_teacher_batches(cfg: Config, model_dir: Path, rng: random.Random):
-    """Endless batches of the shapes task's noisy teacher (`streamrl.data.shapes`), each
-    picture processed once by the model's processor."""
+def vision_teacher_batches(cfg: Config, model_dir: Path, rng: random.Random):
+    """Endless batches of a built-in vision task's noisy teacher (`streamrl.data.vision_tasks`),
+    each picture or clip processed once by the model's processor."""
     from streamrl.media.cache import MediaCache
     from streamrl.media.load import MediaLimits
     from streamrl.media.prepare import load_prepared, prepare_prompt
-    from streamrl.media.refs import MediaRef, MultimodalPrompt
+    from streamrl.media.refs import MultimodalPrompt
     from streamrl.models.processors import load_processor
 
-    ws = cfg.warm_start
-    num_pictures = 1024  # processed once: about 110 MB of pixel values
+    ws, task = cfg.warm_start, cfg.data.task
+    num_problems = 1024  # processed once: about 50 MB of pixel values
     processor, limits = load_processor(model_dir), MediaLimits()
-    store = MediaCache(None, memory_entries=num_pictures)
+    store = MediaCache(None, memory_entries=num_problems)
     examples = []
-    for picture in shapes.sample_pictures(num_pictures, seed=cfg.run.seed + 1, split="train"):
-        messages = [
-            {
-                "role": "user",
-                "content": [{"type": "image"}, {"type": "text", "text": picture.prompt}],
-            }
-        ]
-        prompt = MultimodalPrompt(messages, (MediaRef("image", data=picture.png()),))
+    for problem in vision_tasks.sample(task, num_problems, seed=cfg.run.seed + 1, split="train"):
+        prompt = MultimodalPrompt(problem.messages, (problem.medium,))
         prepared = prepare_prompt(prompt, processor, store, limits=limits)
-        examples.append((picture, list(prepared.prompt_ids), prepared.media_key))
+        examples.append((problem, list(prepared.prompt_ids), prepared.media_key))
     tokenizer = processor.tokenizer
     while True:
         batch = []
-        for picture, prompt_ids, key in rng.sample(examples, ws.batch_size):
-            target = encode_response(
-                tokenizer, shapes.teacher_solution(picture, rng, ws.teacher_miscount)
-            )
+        for problem, prompt_ids, key in rng.sample(examples, ws.batch_size):
+            answer = vision_tasks.teacher_solution(task, problem, rng, ws)
+            target = encode_response(tokenizer, answer)
             batch.append((prompt_ids, target, [1] * len(target), load_prepared(store, key)[0]))
         yield batch
 
