@@ -62,9 +62,14 @@ def held_groups(cfg: Config, groups_per_step: int) -> int:
 VISION_TASKS = ("shapes", "motion")
 
 
+# Top-level keys of a model's config.json that make it multimodal: a vision tower (Qwen-VL), or
+# a Qwen2.5-Omni thinker (audio and vision towers).
+MULTIMODAL_CONFIG_KEYS = ("vision_config", "thinker_config")
+
+
 def multimodal(cfg: Config) -> bool:
-    """Whether the policy takes images or video: a `model.path` whose config has a vision
-    tower, or the built-in model of a built-in vision task. Every role that reads a prompt
+    """Whether the policy takes images, video or audio: a `model.path` whose config has a
+    vision tower or is a Qwen2.5-Omni thinker's, or the built-in model of a built-in vision task. Every role that reads a prompt
     then reads its `media` field too."""
     if cfg.model.path is None:
         return cfg.data.train_file is None and cfg.data.task in VISION_TASKS
@@ -75,4 +80,4 @@ def multimodal(cfg: Config) -> bool:
         config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and "vision_config" in config
+    return isinstance(config, dict) and any(key in config for key in MULTIMODAL_CONFIG_KEYS)

@@ -124,6 +124,13 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
         if items:
             kwargs[arg] = items
     if "audio" in kwargs:
+        if "audio" not in placeholder_ids(processor):
+            # A processor without audio (Qwen-VL's) would drop the clip without a word.
+            raise MediaError(
+                "unsupported",
+                f"{type(processor).__name__} takes no audio (it has no audio placeholder "
+                "token): audio prompts need an audio policy, such as a Qwen2.5-Omni model",
+            )
         kwargs["sampling_rate"] = limits.audio_rate
     outputs = processor(text=[text], return_tensors="pt", **kwargs)
     entry = {PROMPT_IDS: outputs["input_ids"][0]}

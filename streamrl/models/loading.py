@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from streamrl.config.derived import MULTIMODAL_CONFIG_KEYS
+
 # Tokenizer classes that are the `tokenizers` library's tokenizer itself, with no class of their
 # own: `AutoTokenizer` would build this very class (the built-in model's tokenizer is one).
 _PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -57,7 +59,9 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
     if (Path(model_dir) / "adapter_config.json").is_file():  # a LoRA run's checkpoint
         return _load_merged(model_dir, getattr(torch, dtype)).eval()
     auto = AutoModelForCausalLM
-    if is_multimodal_dir(model_dir):  # a vision-language model (Qwen-VL): its own auto class
+    if is_omni_dir(model_dir):  # the thinker alone (its weights are the Omni model's thinker.*)
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration as auto
+    elif is_multimodal_dir(model_dir):  # a vision-language model (Qwen-VL): its own auto class
         from transformers import AutoModelForImageTextToText as auto
     model = auto.from_pretrained(str(model_dir), local_files_only=True, dtype=getattr(torch, dtype))
     model.eval()
@@ -65,12 +69,24 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
 
 
 def is_multimodal_dir(model_dir: str | Path) -> bool:
-    """Whether the model in `model_dir` takes images or video (its config has a vision tower)."""
+    """Whether the model in `model_dir` takes images, video or audio (its config has a vision
+    tower, or is a Qwen2.5-Omni thinker's)."""
+    return any(key in _config(model_dir) for key in MULTIMODAL_CONFIG_KEYS)
+
+
+def is_omni_dir(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds a Qwen2.5-Omni model (its config a `thinker_config`): the
+    roles run its thinker."""
+    return "thinker_config" in _config(model_dir)
+
+
+def _config(model_dir: str | Path) -> dict:
+    """The directory's config.json, or {} when it has none that reads as a dict."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "vision_config" in config
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def base_model_dir(model_dir: str | Path) -> Path:

@@ -25,7 +25,8 @@ each piece works around:
   place. vLLM also inspects a model class it has not imported yet in a fresh subprocess
   (`registry._run_in_subprocess`), which would lack the stand-in and fail ("Model architectures
   ['Qwen2_5_VLForConditionalGeneration'] failed to be inspected"): the class is imported here
-  and registered with `ModelRegistry` directly. Also installs the transformers shims, since vLLM
+  and registered with `ModelRegistry` directly, and so is the Qwen2.5-Omni thinker's (whose
+  vLLM module imports the Qwen2.5-VL one). Also installs the transformers shims, since vLLM
   loads the processor from the model directory in the process that runs `vllm.LLM` (in-process
   engines only: an engine core in a process of its own would not have them).
 
@@ -331,10 +332,17 @@ def install_vllm_shims() -> None:
     # vLLM inspects a lazily registered architecture by importing it in a fresh subprocess,
     # which would not have the stand-in: register the class imported here instead.
     from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen2_5_omni_thinker import (
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
     ModelRegistry.register_model(
         "Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLForConditionalGeneration
+    )
+    # A Qwen2.5-Omni directory names the whole model's class; vLLM runs its thinker.
+    ModelRegistry.register_model(
+        "Qwen2_5OmniForConditionalGeneration", Qwen2_5OmniThinkerForConditionalGeneration
     )
     globals()["_VLLM_SHIMS_INSTALLED"] = True
 

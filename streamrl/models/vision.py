@@ -1,5 +1,6 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL) as the roles see them: which models are, where
-their language model sits, and the keyword arguments their forward needs for a batch.
+"""Multimodal models (Qwen2-VL, Qwen2.5-VL; the Qwen2.5-Omni thinker, which also hears audio) as
+the roles see them: which models are, where their language model sits, and the keyword arguments
+their forward needs for a batch.
 
 A Qwen-VL forward computes 3-D rotary positions only when it is given the token types
 (`mm_token_type_ids`); without them it silently falls back to 1-D positions and its log-probs
@@ -7,8 +8,15 @@ drift far from an engine's. `forward_media_kwargs` passes them, with the batch's
 3-D positions computed by vLLM's rule (`vl_forward.mrope_position_ids`: transformers 5.19 places
 text after a video differently), each row's from its first real token (left padding).
 
-The placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) stand for media the prompt holds; a
-response that sampled one could not be run again. The engines never sample them and the
+The Omni thinker takes no token types (its forward computes its own positions, by the same
+rule for images and audio; the ones passed here are vLLM's, see `vl_forward`): audio tokens
+advance all three positions by one each, like text. Its audio goes in as `input_features` (log-mel
+frames, padded to the feature extractor's 30 s) with `feature_attention_mask` marking the real
+frames.
+
+The placeholder tokens (`<|image_pad|>`, `<|video_pad|>`; the Omni thinker's `<|IMAGE|>`,
+`<|VIDEO|>`, `<|AUDIO|>`) stand for media the prompt holds; a response that sampled one could
+not be run again. The engines never sample them and the
 trainer's distribution leaves them out alike (`placeholder_ids`), so both renormalise over the
 same tokens.
 """
@@ -22,6 +30,9 @@ import torch
 
 from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids
 
+# Media inputs that take the model's dtype (the rest are sizes and masks).
+FLOAT_INPUTS = ("pixel_values", "pixel_values_videos", "input_features")
+
 
 def is_vision_language(model) -> bool:
     """Whether `model` is a Qwen-VL model (a language model under `model.model.language_model`
@@ -30,9 +41,15 @@ def is_vision_language(model) -> bool:
     return hasattr(inner, "language_model") and hasattr(inner, "visual")
 
 
+def is_omni_thinker(model) -> bool:
+    """Whether `model` is a Qwen2.5-Omni thinker (an audio tower and a vision tower beside its
+    text model, which sits directly under `model.model`)."""
+    return hasattr(model, "audio_tower") and hasattr(model, "visual")
+
+
 def text_model(model):
     """The decoder stack (`layers`, `embed_tokens`, `norm`, `rotary_emb`) of a causal LM or of
-    a vision-language model's language model."""
+    a multimodal model's language model."""
     return model.model.language_model if is_vision_language(model) else model.model
 
 
@@ -52,8 +69,10 @@ def freeze_vision(model) -> int:
 
 
 def placeholder_ids(model) -> list[int]:
-    """The media placeholder token ids of a vision-language model (never sampled)."""
-    return [model.config.image_token_id, model.config.video_token_id]
+    """The media placeholder token ids of a multimodal model (never sampled)."""
+    ids = [model.config.image_token_id, model.config.video_token_id]
+    audio = getattr(model.config, "audio_token_id", None)
+    return ids if audio is None else [*ids, audio]
 
 
 def forward_media_kwargs(
@@ -62,34 +81,39 @@ def forward_media_kwargs(
     attention_mask_bt: torch.Tensor,
     media: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The keyword arguments beside `input_ids` and `attention_mask` of a Qwen-VL forward over
-    the left-padded `input_ids_bt` whose media are `media` (concatenated in row order; empty
-    for text): token types, 3-D `position_ids` and the media tensors."""
+    """The keyword arguments beside `input_ids` and `attention_mask` of a Qwen-VL or Omni
+    thinker forward over the left-padded `input_ids_bt` whose media are `media` (concatenated
+    in row order; empty for text): token types (Qwen-VL), 3-D `position_ids` and the media
+    tensors."""
     device = input_ids_bt.device
     types_bt = mm_token_type_ids(model.config, input_ids_bt) * attention_mask_bt.to(torch.int32)
-    kwargs: dict[str, Any] = {"mm_token_type_ids": types_bt}
+    omni = is_omni_thinker(model)
+    kwargs: dict[str, Any] = {} if omni else {"mm_token_type_ids": types_bt}
     dtype = next(model.parameters()).dtype
     for name, value in media.items():
         value = torch.as_tensor(value).to(device)
-        kwargs[name] = value.to(dtype) if name.startswith("pixel_values") else value
+        kwargs[name] = value.to(dtype) if name in FLOAT_INPUTS else value
     # Per row: the positions of its real tokens (media in row order), zeros on padding.
     positions = torch.zeros((3, *input_ids_bt.shape), dtype=torch.long)
     grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
     done = {"image_grid_thw": 0, "video_grid_thw": 0, "second_per_grid_ts": 0}
+    # The Omni processor names a video's seconds per time step otherwise.
+    seconds_key = "video_second_per_grid" if omni else "second_per_grid_ts"
     for row in range(input_ids_bt.shape[0]):
         real = attention_mask_bt[row].bool().cpu()
         types_t = types_bt[row].cpu()[real][None]
         counts = {1: int(_blocks(types_t, 1)), 2: int(_blocks(types_t, 2))}
         image = _take(grids["image_grid_thw"], done, "image_grid_thw", counts[1])
         video = _take(grids["video_grid_thw"], done, "video_grid_thw", counts[2])
-        seconds = _take(kwargs.get("second_per_grid_ts"), done, "second_per_grid_ts", counts[2])
+        seconds = _take(kwargs.get(seconds_key), done, "second_per_grid_ts", counts[2])
         positions[:, row, real] = mrope_position_ids(model.config, types_t, image, video, seconds)[
             :, 0
         ]
     kwargs["position_ids"] = positions.to(device)
     # The model keeps the last call's position offsets for decoding; a new batch starts afresh.
-    if hasattr(model.model, "rope_deltas"):
-        model.model.rope_deltas = None
+    for holder in (model, model.model):
+        if getattr(holder, "rope_deltas", None) is not None:
+            holder.rope_deltas = None
     return kwargs
 
 

@@ -38,6 +38,16 @@ def mm_token_type_ids(config: Any, input_ids_bt: torch.Tensor) -> torch.Tensor:
     return types_bt
 
 
+def time_positions_per_second(config: Any) -> float:
+    """How many time positions one second of video spans: Qwen2.5-VL's
+    `vision_config.tokens_per_second`; the Omni thinker's vision config has none, and vLLM then
+    takes 25 (transformers names the same number `position_id_per_seconds`)."""
+    vision = config.vision_config
+    if hasattr(vision, "tokens_per_second"):
+        return vision.tokens_per_second
+    return getattr(config, "position_id_per_seconds", 25)
+
+
 def mrope_position_ids(
     config: Any,
     types_bt: torch.Tensor,
@@ -49,7 +59,9 @@ def mrope_position_ids(
     three by one per token; a media block of (t, h, w) merged patches takes time positions
     `int(i * tokens_per_second * seconds_per_step)` (i-th step; 1 step per image) and
     height/width positions 0..h-1 / 0..w-1, all offset by where it starts; the text after it
-    starts one past the block's largest position. Media go in order through the batch."""
+    starts one past the block's largest position. Media go in order through the batch. Audio
+    tokens (the Omni thinker's) count as text here: vLLM and transformers both give them one
+    position per token, all three equal."""
     vision = config.vision_config
     merge = vision.spatial_merge_size
     grids = {
@@ -67,7 +79,9 @@ def mrope_position_ids(
                 start += length
                 continue
             t, h, w = next(grids[kind])
-            factor = vision.tokens_per_second * next(seconds, 1.0) if kind == VIDEO_TYPE else 1.0
+            factor = 1.0
+            if kind == VIDEO_TYPE:
+                factor = time_positions_per_second(config) * next(seconds, 1.0)
             steps = (torch.arange(t, dtype=torch.float64) * factor).long()
             grid = torch.stack(
                 torch.meshgrid(

@@ -29,11 +29,18 @@ from streamrl.rollout.vision_prompts import mrope_bands, prompt_inputs, rotary_t
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 # Vision-language models whose language model is one of those (a Qwen2 decoder, 3-D positions).
 VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Refused with a message of their own: the Omni model, and the thinker transformers loads from it.
+OMNI_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
 
 
 def unsupported(config, rope_type: str | None = None) -> str | None:
     """Why the builtin engine cannot run a model of this HF config (None: it can). `rope_type`
     is the model's own (its rotary module's); by default it is read from the config."""
+    if config.model_type in OMNI_TYPES:
+        return (
+            "the builtin engine does not run Qwen2.5-Omni models (their audio tower is not "
+            "wired into its decoder runner); use rollout.engine=vllm"
+        )
     if config.model_type in VISION_LANGUAGE_TYPES:
         config = config.text_config
         rope = getattr(config, "rope_parameters", None) or {}

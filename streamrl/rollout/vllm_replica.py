@@ -393,6 +393,10 @@ def as_tensor(value: Any):
     return torch.from_numpy(np.array(value))  # a copy: arrays from Ray are read-only
 
 
+# vLLM's class for a Qwen2.5-Omni model (its thinker).
+OMNI_THINKER_CLASS = "Qwen2_5OmniThinkerForConditionalGeneration"
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`), so the engine can call these
     methods by name through `collective_rpc`, in this process or in vLLM's worker processes.
@@ -406,6 +410,10 @@ class WorkerExtension:
 
             payload = list(load(payload).items())
         model = self.model_runner.get_model()
+        if type(model).__name__ == OMNI_THINKER_CLASS:
+            # The trainer's thinker names its weights as the thinker alone does; vLLM maps a
+            # checkpoint's, which are the whole Omni model's (`thinker.*`).
+            payload = [(f"thinker.{name}", tensor) for name, tensor in payload]
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         _quiet_expected_reload_skips(tied)
         # A transformers MoE model's experts are fused tensors that vLLM's reload cannot take

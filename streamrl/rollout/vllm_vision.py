@@ -1,5 +1,5 @@
-"""vLLM's inputs for a vision-language (Qwen2-VL, Qwen2.5-VL) policy, and the processes that need
-the torchvision shims.
+"""vLLM's inputs for a multimodal (Qwen2-VL, Qwen2.5-VL; Qwen2.5-Omni thinker, with audio) policy,
+and the processes that need the torchvision shims.
 
 A request's media go to vLLM as `multi_modal_data` (`VisionInputs`), which runs the model
 directory's processor on them again. vLLM 0.32 expands every placeholder token of a token prompt
@@ -20,7 +20,6 @@ before they load the model and install them when `SHIMS_ENV` says so.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +37,21 @@ SHIMS_ENV = "STREAMRL_VLLM_VISION_SHIMS"
 
 
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# vLLM runs the thinker of a Qwen2.5-Omni model directory (its config the Omni one).
+OMNI_MODEL_TYPE = "qwen2_5_omni"
+
+
+def audio_tokens(num_frames: int) -> int:
+    """How many placeholder tokens an audio clip of `num_frames` log-mel frames expands to (the
+    audio tower's two stride-2 steps, as the Omni processor and vLLM count them)."""
+    return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """How a Qwen-VL model's requests reach vLLM: the placeholder token of each kind, how many
-    a medium expands to (`merge_size`), the video time step (`temporal_patch_size` frames), and
-    the placeholders as the `bad_words` that keep them from being sampled."""
+    """How a Qwen-VL or Omni thinker's requests reach vLLM: the placeholder token of each kind,
+    how many a medium expands to (`merge_size`), the video time step (`temporal_patch_size`
+    frames), and the placeholders as the `bad_words` that keep them from being sampled."""
 
     placeholders: dict[str, int]
     bad_words: tuple[str, ...]
@@ -57,14 +64,19 @@ class VisionInputs:
         its placeholder tokens would not be masked exactly (each one bad word of one token)."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        if getattr(hf_config, "model_type", None) not in QWEN_VL_MODEL_TYPES:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in (*QWEN_VL_MODEL_TYPES, OMNI_MODEL_TYPE):
             raise ValueError(
-                "the vLLM engine takes media for Qwen2-VL and Qwen2.5-VL models only (model "
-                f"types {QWEN_VL_MODEL_TYPES}); this multimodal model's is "
-                f"{getattr(hf_config, 'model_type', None)!r}: use rollout.engine=builtin"
+                "the vLLM engine takes media for Qwen2-VL, Qwen2.5-VL and Qwen2.5-Omni models "
+                f"only (model types {(*QWEN_VL_MODEL_TYPES, OMNI_MODEL_TYPE)}); this multimodal "
+                f"model's is {model_type!r}: use rollout.engine=builtin"
             )
+        if model_type == OMNI_MODEL_TYPE:
+            hf_config = hf_config.thinker_config
         vision = hf_config.vision_config
         placeholders = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
+        if model_type == OMNI_MODEL_TYPE:
+            placeholders["audio"] = hf_config.audio_token_id
         words = tuple(tokenizer.convert_ids_to_tokens(list(placeholders.values())))
         probe = VllmSamplingParams(bad_words=list(words))
         probe.update_from_tokenizer(tokenizer)
@@ -98,11 +110,15 @@ class VisionInputs:
             return TokensPrompt(prompt_token_ids=[*map(int, request.prompt_ids), *response_ids])
         sizes = self._sizes(request)
         ids = self._collapse(request, sizes)
-        data: dict[str, list[Any]] = {"image": [], "video": []}
-        uuids: dict[str, list[str]] = {"image": [], "video": []}
+        data: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
+        uuids: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         seconds = media.get("second_per_grid_ts")
         for i, (kind, array) in enumerate(media["decoded"]):
-            if kind == "image":
+            if kind == "audio":
+                # Samples at the feature extractor's rate: the feeder's processor (the model
+                # directory's) took the very same ones.
+                data["audio"].append(np.asarray(array, dtype=np.float32))
+            elif kind == "image":
                 from PIL import Image
 
                 data["image"].append(Image.fromarray(np.asarray(array, dtype=np.uint8)))
@@ -123,13 +139,23 @@ class VisionInputs:
         media = request.media
         assert media is not None
         grids = {"image": media.get("image_grid_thw"), "video": media.get("video_grid_thw")}
-        sizes, used = [], {"image": 0, "video": 0}
+        frames = media.get("feature_attention_mask")
+        sizes, used = [], {"image": 0, "video": 0, "audio": 0}
         for kind, _ in media["decoded"]:
-            if kind not in grids:
+            if kind not in self.placeholders:
                 raise ValueError(
-                    f"request {request.request_id!r} holds a medium of kind {kind!r}; the vLLM "
-                    "engine takes images and videos"
+                    f"request {request.request_id!r} holds a medium of kind {kind!r}; this "
+                    f"model takes {', '.join(self.placeholders)}"
                 )
+            if kind == "audio":
+                if frames is None or used["audio"] >= len(frames):
+                    raise ValueError(
+                        f"request {request.request_id!r}: its media have no "
+                        f"feature_attention_mask entry for audio {used['audio']}"
+                    )
+                sizes.append(("audio", audio_tokens(int(np.asarray(frames[used["audio"]]).sum()))))
+                used["audio"] += 1
+                continue
             grid = grids[kind]
             if grid is None or used[kind] >= len(grid):
                 raise ValueError(
@@ -182,9 +208,11 @@ class VisionInputs:
 
 
 def is_vision_language_dir(model_dir: Path) -> bool:
-    """Whether the model in `model_dir` has a vision tower (its `config.json` a `vision_config`)."""
-    config = Path(model_dir) / "config.json"
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
+    """Whether the model in `model_dir` has a vision tower (its `config.json` a `vision_config`,
+    or a Qwen2.5-Omni thinker's, which has one too)."""
+    from streamrl.models.loading import is_multimodal_dir
+
+    return is_multimodal_dir(model_dir)
 
 
 # The executors of an engine core in its own process, for a vision-language model: vLLM's own

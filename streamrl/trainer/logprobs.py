@@ -88,19 +88,24 @@ def pack(
     )
 
 
-# The processor tensors a Qwen-VL forward takes, each concatenated over the batch's rows.
+# The processor tensors a Qwen-VL or Omni thinker forward takes, each concatenated over the
+# batch's rows (an audio's features are padded to the feature extractor's 30 s, so they stack).
 MEDIA_TENSORS = (
     "pixel_values",
     "image_grid_thw",
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "video_second_per_grid",
+    "input_features",
+    "feature_attention_mask",
 )
 
 
 def collate_media(media: Sequence[dict | None]) -> dict[str, torch.Tensor]:
-    """The rows' processor tensors concatenated in row order: a Qwen-VL model matches vision
-    features to placeholder tokens in the order the tokens appear in the flattened batch."""
+    """The rows' processor tensors concatenated in row order: a Qwen-VL or Omni model matches
+    vision and audio features to placeholder tokens in the order the tokens appear in the
+    flattened batch."""
     out = {}
     for name in MEDIA_TENSORS:
         parts = [m[name] for m in media if m is not None and m.get(name) is not None]
