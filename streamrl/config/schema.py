@@ -85,8 +85,6 @@ class WarmStartConfig(Section):
     teacher_miscount: float = Field(0.8, ge=0, le=1)
     """Shapes task: fraction of the teacher's answers that count one shape fewer than they
     write down."""
-    teacher_flip_vertical: float = Field(0.7, ge=0, le=1)
-    """Motion task: fraction of the teacher's answers that swap up and down."""
 
 
 class MediaConfig(Section):
@@ -101,15 +99,17 @@ class MediaConfig(Section):
     """Seconds of an audio clip; a longer one is refused."""
     max_media: int = Field(8, ge=1)
     """Images, videos and audio clips of one prompt together."""
+    video_fps: float = Field(2.0, gt=0)
+    """Frame rate of a video that does not say its own (frame files, a .npy array); an
+    animated GIF's frame duration and a container's rate are read from the file."""
 
 
 class DataConfig(Section):
-    task: Literal["arith", "calculator", "shapes", "motion"] = "arith"
+    task: Literal["arith", "calculator", "shapes"] = "arith"
     """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
     solution), `calculator` (products the model answers with a `calculate` tool; an agent
-    task, `examples/agent_calculator.yaml`), `shapes` (counting coloured shapes in a generated
-    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`) or
-    `motion` (which way a square moves in a short generated clip; a video task)."""
+    task, `examples/agent_calculator.yaml`) or `shapes` (counting coloured shapes in a generated
+    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`)."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None

@@ -103,6 +103,7 @@ def media_preparer(ctx: RunContext) -> MediaPreparer | None:
         max_frames=m.max_frames,
         max_audio_seconds=m.max_audio_seconds,
         max_media=m.max_media,
+        video_fps=m.video_fps,
     )
     store = open_cache(Path(ctx.cfg.run.cache_dir) / "media")
     return MediaPreparer(load_processor(ctx.policy_dir), store, limits)

@@ -36,6 +36,7 @@ class MediaLimits:
     max_audio_seconds: float = 30.0
     audio_rate: int = 16000  # what the feature extractor takes; other rates are refused
     max_media: int = 8  # media of one prompt
+    video_fps: float = 2.0  # frames a second of a video that does not say (frame files, .npy)
 
 
 def load_media(ref: MediaRef, limits: MediaLimits):
@@ -71,6 +72,32 @@ def fit_pixels(image, max_pixels: int):
     scale = math.sqrt(max_pixels / (width * height))
     size = (max(1, int(width * scale)), max(1, int(height * scale)))
     return image.resize(size, Image.Resampling.BICUBIC)
+
+
+def video_fps(ref: MediaRef, limits: MediaLimits) -> float:
+    """Frames a second of the video `ref`: an animated image's frame duration, a container's
+    average rate, else `limits.video_fps`. A Qwen-VL model's time positions come from it: a
+    wrong rate puts frames a second apart at one time position (or far apart)."""
+    name = (ref.path or "").lower()
+    if ref.frames is None and not name.endswith(".npy"):
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(_source(ref)) as image:
+                duration_ms = image.info.get("duration")
+            if duration_ms:
+                return 1000.0 / float(duration_ms)
+        except (UnidentifiedImageError, OSError):
+            try:
+                import av
+
+                with av.open(_source(ref)) as container:
+                    rate = container.streams.video[0].average_rate
+                if rate:
+                    return float(rate)
+            except Exception:  # noqa: BLE001 - no rate to read: the default below
+                pass
+    return limits.video_fps
 
 
 def load_video(ref: MediaRef, limits: MediaLimits) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch
 
 from streamrl.api import fields as F
 from streamrl.media.cache import MediaCache, open_cache
-from streamrl.media.load import MediaLimits, load_media
+from streamrl.media.load import MediaLimits, load_media, video_fps
 from streamrl.media.refs import MEDIA_KINDS, MediaError, MultimodalPrompt
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,12 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
                 "token): audio prompts need an audio policy, such as a Qwen2.5-Omni model",
             )
         kwargs["sampling_rate"] = limits.audio_rate
+    if "videos" in kwargs:  # the real frame rate times the video's positions
+        kwargs["video_metadata"] = [
+            {"fps": video_fps(ref, limits), "total_num_frames": len(medium)}
+            for medium, ref in zip(decoded, prompt.media, strict=True)
+            if ref.kind == "video"
+        ]
     outputs = processor(text=[text], return_tensors="pt", **kwargs)
     entry = {PROMPT_IDS: outputs["input_ids"][0]}
     for name, value in outputs.items():

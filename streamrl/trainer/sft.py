@@ -35,7 +35,6 @@ _TEACHERS = {
     "arith": {"teacher_forget_carry"},
     "calculator": {"teacher_tool_use", "teacher_miscopy"},
     "shapes": {"teacher_miscount"},
-    "motion": {"teacher_flip_vertical"},
 }
 _OTHER_TASKS_TEACHER = {
     task: set().union(*_TEACHERS.values()) - mine for task, mine in _TEACHERS.items()

@@ -12,7 +12,14 @@ import torch
 from PIL import Image
 
 from streamrl.media.cache import MediaCache
-from streamrl.media.load import MediaLimits, load_audio, load_image, load_media, load_video
+from streamrl.media.load import (
+    MediaLimits,
+    load_audio,
+    load_image,
+    load_media,
+    load_video,
+    video_fps,
+)
 from streamrl.media.refs import MediaError, MediaRef, extract_media, has_media, to_ref
 
 
@@ -205,3 +212,13 @@ def test_cache_round_trip_on_disk_and_in_memory(tmp_path):
 def test_wav_bytes_inline(tmp_path):
     buf = io.BytesIO(open(_wav(tmp_path / "a.wav"), "rb").read())
     assert load_audio(MediaRef("audio", data=buf.getvalue()), MediaLimits()).shape == (8000,)
+
+
+def test_video_frame_rate_comes_from_the_file_or_the_default(tmp_path):
+    gif = tmp_path / "v.gif"
+    images = [Image.new("RGB", (16, 16), (0, 0, i * 60)) for i in range(3)]
+    images[0].save(gif, save_all=True, append_images=images[1:], duration=250)
+    assert video_fps(to_ref("video", str(gif)), MediaLimits()) == 4.0
+    npy = tmp_path / "v.npy"
+    np.save(npy, np.zeros((2, 8, 8, 3), np.uint8))
+    assert video_fps(to_ref("video", str(npy)), MediaLimits(video_fps=3.0)) == 3.0

@@ -127,6 +127,8 @@ def test_engine_and_trainer_agree_for_image_video_and_text(vl_dir, preparer, tmp
     assert preparer.num_media == {"image": 3, "video": 1}
     video = requests[1].media
     assert video["video_grid_thw"].tolist() == [[2, 4, 4]] and video["decoded"][0][0] == "video"
+    # A .npy clip says no rate: data.media.video_fps (2), so a time step of 2 frames is 1 s.
+    assert video["second_per_grid_ts"].tolist() == [1.0]
 
     engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
