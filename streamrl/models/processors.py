@@ -347,12 +347,9 @@ def install_vllm_shims() -> None:
     globals()["_VLLM_SHIMS_INSTALLED"] = True
 
 
-def build_processor(
-    tokenizer: Any, *, min_pixels: int, max_pixels: int, chat_template: str | None = None
-):  # -> transformers.Qwen2_5_VLProcessor
-    """A Qwen2.5-VL processor around `tokenizer`: the PIL image processor and the numpy video
-    processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
-    from transformers import Qwen2_5_VLProcessor
+def vision_processors(min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
+    """(image processor, video processor) of the tiny models: the PIL image processor and the
+    numpy video processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -365,6 +362,17 @@ def build_processor(
         image_mean=list(image_processor.image_mean),
         image_std=list(image_processor.image_std),
     )
+    return image_processor, video_processor
+
+
+def build_processor(
+    tokenizer: Any, *, min_pixels: int, max_pixels: int, chat_template: str | None = None
+):  # -> transformers.Qwen2_5_VLProcessor
+    """A Qwen2.5-VL processor around `tokenizer`: the PIL image processor and the numpy video
+    processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
+    from transformers import Qwen2_5_VLProcessor
+
+    image_processor, video_processor = vision_processors(min_pixels, max_pixels)
     return Qwen2_5_VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -91,30 +91,13 @@ def tiny_omni_config(
     `audio_layers` audio encoder and the smallest vision tower the config takes (one block)."""
     from transformers import Qwen2_5OmniConfig
 
-    head_dim = hidden_size // num_heads
-    if head_dim % 8:
-        raise ValueError(f"hidden_size / num_heads = {head_dim} must be a multiple of 8 (mrope)")
-    half = head_dim // 2
-    mrope_section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
-    ids = tokenizer.convert_tokens_to_ids
-    text_config = dict(
-        vocab_size=((len(tokenizer) + 127) // 128) * 128,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=2048,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": mrope_section,
-        },
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    from streamrl.models.tiny_vl import tiny_text_config
+
+    text_config = tiny_text_config(
+        tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
     )
+    text_config["tie_word_embeddings"] = False
+    ids = tokenizer.convert_tokens_to_ids
     audio_config = dict(
         num_mel_bins=128,
         encoder_layers=audio_layers,
@@ -156,20 +139,10 @@ def build_processor(tokenizer, *, min_pixels: int = 28 * 28, max_pixels: int = 1
     """A Qwen2.5-Omni processor around `tokenizer`: Whisper features with 128 mel bins at
     16 kHz, the PIL image processor and the numpy video processor."""
     from transformers import Qwen2_5OmniProcessor, WhisperFeatureExtractor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
-    from streamrl.models.processors import NumpyQwen2VLVideoProcessor, install_transformers_shims
+    from streamrl.models.processors import vision_processors
 
-    install_transformers_shims()
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    video_processor = NumpyQwen2VLVideoProcessor(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        image_mean=list(image_processor.image_mean),
-        image_std=list(image_processor.image_std),
-    )
+    image_processor, video_processor = vision_processors(min_pixels, max_pixels)
     return Qwen2_5OmniProcessor(
         image_processor=image_processor,
         video_processor=video_processor,

@@ -10,6 +10,7 @@ transformers (`from_pretrained` and `processors.load_processor`) and in vLLM
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from streamrl.models.processors import build_processor
 from streamrl.models.tokenizer import build_tokenizer
@@ -47,27 +48,19 @@ def build_vl_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return tokenizer
 
 
-def tiny_qwen2_5_vl_config(
-    tokenizer,
-    *,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    vision_depth: int,
-    vision_hidden: int,
-):  # -> transformers.Qwen2_5_VLConfig
-    """A `Qwen2_5_VLConfig` for `tokenizer` (vocab padded to a multiple of 128, its special
-    token ids) with a `num_layers` text model and a `vision_depth` vision tower."""
-    from transformers import Qwen2_5_VLConfig
-
+def tiny_text_config(
+    tokenizer, *, hidden_size: int, num_layers: int, num_heads: int
+) -> dict[str, Any]:
+    """The language model's config of the tiny multimodal models (Qwen2.5-VL's, Qwen2.5-Omni's
+    thinker's): the tiny text model's shape, the vocabulary padded to a multiple of 128, and
+    multimodal rotary sections that fit the head."""
     head_dim = hidden_size // num_heads
     if head_dim % 8:
         raise ValueError(f"hidden_size / num_heads = {head_dim} must be a multiple of 8 (mrope)")
     # Multimodal RoPE splits the head's rotary frequencies into (time, height, width) sections.
     half = head_dim // 2
     mrope_section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
-    ids = tokenizer.convert_tokens_to_ids
-    text_config = dict(
+    return dict(
         vocab_size=((len(tokenizer) + 127) // 128) * 128,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
@@ -84,6 +77,25 @@ def tiny_qwen2_5_vl_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def tiny_qwen2_5_vl_config(
+    tokenizer,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    vision_depth: int,
+    vision_hidden: int,
+):  # -> transformers.Qwen2_5_VLConfig
+    """A `Qwen2_5_VLConfig` for `tokenizer` (vocab padded to a multiple of 128, its special
+    token ids) with a `num_layers` text model and a `vision_depth` vision tower."""
+    from transformers import Qwen2_5_VLConfig
+
+    text_config = tiny_text_config(
+        tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
+    )
+    ids = tokenizer.convert_tokens_to_ids
     vision_config = dict(
         depth=vision_depth,
         hidden_size=vision_hidden,
