@@ -1,10 +1,12 @@
 """Media preprocessing: its throughput per modality, its share of a step, and the trainer's wait.
 
 Part 1, throughput: `prepare_prompt` (decode, processor, store) over generated prompts of each
-modality the processors take (images: the shapes task's pictures; video: 8-frame clips of a
-moving square), with an empty store, on the tiny vision-language model's processor.
+modality (images: the shapes task's pictures; video: 8-frame clips of a moving square; audio:
+1 s tones at 16 kHz), with an empty store, on the tiny Qwen2.5-VL's processor (image, video)
+and the tiny Qwen2.5-Omni thinker's (audio).
 
-Part 2, in a run: `streamrl train examples/vision.yaml` for a few steps twice, side by side,
+Part 2, in a run (images; no audio task is built in): `streamrl train examples/vision.yaml` for
+a few steps twice, side by side,
 with an empty media store (every prompt processed during the run, by the feeder) and with the
 store the first run filled (nothing to process). It prints the feeder's preprocessing seconds
 as a share of step time, and the trainer's idle fraction in both runs: their difference is what
@@ -53,6 +55,31 @@ def _video_prompts(num: int, tmp: Path):
     return out
 
 
+def _audio_prompts(num: int):
+    import io
+    import wave
+
+    from streamrl.media.refs import MediaRef, MultimodalPrompt
+
+    out = []
+    for i in range(num):
+        t = np.arange(16000) / 16000.0  # 1 s at 16 kHz
+        tone = (0.4 * np.sin(2 * np.pi * (220.0 + 5 * i) * t) * 32767).astype(np.int16)
+        buf = io.BytesIO()
+        with wave.open(buf, "wb") as wav:
+            wav.setnchannels(1)
+            wav.setsampwidth(2)
+            wav.setframerate(16000)
+            wav.writeframes(tone.tobytes())
+        content = [{"type": "audio"}, {"type": "text", "text": "Is the tone high?"}]
+        out.append(
+            MultimodalPrompt(
+                [{"role": "user", "content": content}], (MediaRef("audio", data=buf.getvalue()),)
+            )
+        )
+    return out
+
+
 def _image_prompts(num: int):
     from streamrl.data import shapes
     from streamrl.media.refs import MediaRef, MultimodalPrompt
@@ -73,15 +100,21 @@ def throughput(num: int) -> None:
     from streamrl.media.load import MediaLimits
     from streamrl.media.prepare import MediaPreparer
     from streamrl.models.processors import load_processor
+    from streamrl.models.tiny_omni import build_tiny_omni_model_dir
     from streamrl.models.tiny_vl import build_tiny_vl_model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="mm-bench-"))
     try:
-        processor = load_processor(build_tiny_vl_model_dir(tmp / "model"))
+        vision = load_processor(build_tiny_vl_model_dir(tmp / "model"))
+        omni = load_processor(build_tiny_omni_model_dir(tmp / "omni"))
         print(
             f"{'modality':<10}{'prompts':>9}{'prompts/s':>12}{'ms/prompt':>11}{'tokens/prompt':>15}"
         )
-        for kind, prompts in (("image", _image_prompts(num)), ("video", _video_prompts(num, tmp))):
+        for kind, prompts, processor in (
+            ("image", _image_prompts(num), vision),
+            ("video", _video_prompts(num, tmp), vision),
+            ("audio", _audio_prompts(num), omni),
+        ):
             preparer = MediaPreparer(processor, MediaCache(tmp / f"store-{kind}"), MediaLimits())
             start = time.perf_counter()
             for prompt in prompts:
@@ -92,7 +125,6 @@ def throughput(num: int) -> None:
                 f"{kind:<10}{len(prompts):>9}{len(prompts) / seconds:>12.1f}"
                 f"{1000 * seconds / len(prompts):>11.2f}{tokens:>15.1f}"
             )
-        print("audio: decoded and checked (streamrl.media.load), no audio model wired yet")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -107,7 +139,9 @@ def _run(run_dir: Path, cache_dir: Path, steps: int) -> dict:
         f"run.cache_dir={cache_dir}",
     ]
     cmd, env = train_command(run_dir, overrides)
-    subprocess.run(cmd, env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"streamrl train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     steps_m = [
         json.loads(line)
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
