@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,8 +28,10 @@ from streamrl.api import fields as F
 from streamrl.api.fields import group_id, group_round  # noqa: F401 - the feeder names groups
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
-from streamrl.media.prepare import MediaPreparer, bus_value
 from streamrl.media.refs import MultimodalPrompt
+
+if TYPE_CHECKING:  # preparing media needs torch; a text policy's feeder never imports it
+    from streamrl.media.prepare import MediaPreparer
 
 
 class PromptFeeder:
@@ -138,5 +140,5 @@ class PromptFeeder:
             self._unusable.add(idx)
             return False
         self._prompt_ids[idx] = prepared.prompt_ids
-        self._media[idx] = bus_value(prepared, self.media.cache)
+        self._media[idx] = self.media.bus_value(prepared)
         return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.api.role import RoleBase
 from streamrl.api.run import RunContext
@@ -21,8 +21,10 @@ from streamrl.config.derived import (
     prompts_per_batch,
 )
 from streamrl.data.feeder import PromptFeeder
-from streamrl.media.prepare import MediaPreparer
 from streamrl.models.loading import policy_tokenizer
+
+if TYPE_CHECKING:
+    from streamrl.media.prepare import MediaPreparer
 
 
 class FeederRole(RoleBase):
@@ -95,6 +97,7 @@ def media_preparer(ctx: RunContext) -> MediaPreparer | None:
         return None
     from streamrl.media.cache import open_cache
     from streamrl.media.load import MediaLimits
+    from streamrl.media.prepare import MediaPreparer  # torch: a vision-language feeder's only
     from streamrl.models.processors import load_processor
 
     m = ctx.cfg.data.media

@@ -237,6 +237,10 @@ class MediaPreparer:
         self.num_media.update(prepared.counts)
         return prepared
 
+    def bus_value(self, prepared: PreparedPrompt) -> dict[str, str]:
+        """The row's `media` field for `prepared` (`bus_value` with this run's store)."""
+        return bus_value(prepared, self.cache)
+
     def metrics(self) -> dict[str, float]:
         """Cumulative counts (the run's tracker turns them into per-step figures)."""
         out = {

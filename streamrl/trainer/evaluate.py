@@ -24,7 +24,7 @@ from streamrl.api.run import RunContext
 from streamrl.data.dataset import PromptRow
 from streamrl.data.prompts import encode_prompt
 from streamrl.data.role import media_preparer
-from streamrl.media.prepare import bus_value, row_media
+from streamrl.media.prepare import row_media
 from streamrl.media.refs import MultimodalPrompt
 from streamrl.models.loading import policy_tokenizer
 from streamrl.reward.role import make_eval_scorer
@@ -257,7 +257,7 @@ def held_out_media(ctx: RunContext) -> tuple[list[PromptRow], list[Any] | None]:
         prompt = MultimodalPrompt(row.prompt, row.media)
         prepared = preparer.prepare(prompt, f"held-out prompt {i} ({row.origin})")
         if prepared is not None:
-            (entry,) = row_media([{F.MEDIA: bus_value(prepared, preparer.cache)}])
+            (entry,) = row_media([{F.MEDIA: preparer.bus_value(prepared)}])
             rows.append(row)
             media.append({**entry, "ids": prepared.prompt_ids})
     if not rows:
