@@ -74,8 +74,14 @@ DATA_ORDER_KEYS = (
 )
 
 
-# With a data file, also which of its rows are too long to keep (streamrl.runtime.context).
+# With a data file, also which of its rows are too long to keep (streamrl.runtime.context) and
+# which rows' media are refused (a limit, or a size that changes the prompt's length); the
+# feeder gives a refused row's place to the next prompt of the order (streamrl.data.feeder).
 FILE_ORDER_KEYS = (
+    "data.media.max_pixels",
+    "data.media.max_frames",
+    "data.media.max_audio_seconds",
+    "data.media.max_media",
     "rollout.max_new_tokens",
     "rollout.vllm.max_model_len",
     "data.chat_template",

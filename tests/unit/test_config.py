@@ -483,6 +483,11 @@ def test_with_a_data_file_resume_also_keeps_what_decides_which_rows_fit(tmp_path
     check_same_data_order(builtin, load_config(longer), tmp_path)  # the built-in task: fine
     with pytest.raises(ConfigError, match="rollout.max_new_tokens 24 -> 64 would change"):
         check_same_data_order(own, load_config([f"data.train_file={data}", *longer]), tmp_path)
+    # Media limits decide which rows are refused (their places go to the next prompts).
+    with pytest.raises(ConfigError, match="data.media.max_frames 64 -> 8 would change"):
+        check_same_data_order(
+            own, load_config([f"data.train_file={data}", "data.media.max_frames=8"]), tmp_path
+        )
 
 
 def test_a_run_is_not_resumed_on_training_rows_other_than_it_started_on(tmp_path: Path) -> None:
