@@ -59,7 +59,7 @@ def held_groups(cfg: Config, groups_per_step: int) -> int:
 
 
 # Built-in tasks whose prompts hold images: the built-in model is then a vision-language one.
-VISION_TASKS = ("shapes",)
+VISION_TASKS = ("shapes", "motion")
 
 
 # Top-level keys of a model's config.json that make it multimodal: a vision tower (Qwen-VL), or

@@ -30,6 +30,10 @@ from streamrl.config.runtime_schema import (  # noqa: F401 - re-exported: config
 )
 from streamrl.config.section import Section
 
+# The rule a built-in task is scored by when `reward.function` is not set (the default,
+# `arith_exact_match`, reads a number after the last colon).
+TASK_REWARDS = {"motion": "streamrl.reward.rule:final_word_match"}
+
 
 class ModelConfig(Section):
     path: str | None = None
@@ -85,6 +89,9 @@ class WarmStartConfig(Section):
     teacher_miscount: float = Field(0.8, ge=0, le=1)
     """Shapes task: fraction of the teacher's answers that count one shape fewer than they
     write down."""
+    teacher_reverse: float = Field(0.8, ge=0, le=1)
+    """Motion task: fraction of the teacher's answers that name the direction opposite to the
+    square's."""
 
 
 class MediaConfig(Section):
@@ -105,11 +112,14 @@ class MediaConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arith", "calculator", "shapes"] = "arith"
+    task: Literal["arith", "calculator", "shapes", "motion"] = "arith"
     """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
     solution), `calculator` (products the model answers with a `calculate` tool; an agent
-    task, `examples/agent_calculator.yaml`) or `shapes` (counting coloured shapes in a generated
-    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`)."""
+    task, `examples/agent_calculator.yaml`), `shapes` (counting coloured shapes in a generated
+    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`) or
+    `motion` (which way a square moves in a generated 2-frame clip; a video task,
+    `examples/video.yaml`, scored by `streamrl.reward.rule:final_word_match` unless
+    `reward.function` is set)."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None
@@ -669,6 +679,12 @@ class Config(Section):
                 "agent.workflow=program needs agent.program, the command of the agent program "
                 "(e.g. agent.program='[python, examples/agent_openai.py]')"
             )
+        if (
+            self.data.task in TASK_REWARDS
+            and self.data.train_file is None
+            and "function" not in self.reward.model_fields_set
+        ):
+            self.reward.function = TASK_REWARDS[self.data.task]
         judge = self.reward.judge
         if (
             judge.enabled

@@ -72,7 +72,7 @@ def rows_digest(rows: list[PromptRow]) -> str:
 def builtin_rows(
     num: int, *, digits: int, seed: int, split: str, task: str = "arith"
 ) -> list[PromptRow]:
-    """`num` rows of the built-in task `task` (`arith`, `calculator` or `shapes`)."""
+    """`num` rows of the built-in task `task` (`arith`, `calculator`, `shapes` or `motion`)."""
     if task in vision_tasks.VISION_TASKS:
         return [
             PromptRow(p.messages, p.answer, media=(p.medium,), origin=f"built-in {p.origin}")

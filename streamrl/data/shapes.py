@@ -83,8 +83,19 @@ def teacher_solution(picture: Picture, rng: random.Random, miscount: float) -> s
     return solution(picture, count_all=rng.random() >= miscount)
 
 
-def is_eval_seed(seed: int, eval_fraction: float = 0.1) -> bool:
-    return zlib.crc32(f"shapes-{seed}".encode()) % 10_000 < eval_fraction * 10_000
+def split_seeds(num: int, *, seed: int, split: str, task: str, eval_fraction: float = 0.1):
+    """`num` item seeds of a generated task's `train` or `eval` split, drawn from (`seed`, `task`,
+    `split`); an item is held out by a hash of (`task`, its seed), so the splits never share one."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng = random.Random(f"{seed}-{task}-{split}")
+    out: list[int] = []
+    while len(out) < num:
+        s = rng.randrange(2**31)
+        held_out = zlib.crc32(f"{task}-{s}".encode()) % 10_000 < eval_fraction * 10_000
+        if held_out == (split == "eval"):
+            out.append(s)
+    return out
 
 
 def picture(seed: int) -> Picture:
@@ -101,12 +112,4 @@ def picture(seed: int) -> Picture:
 
 def sample_pictures(num: int, *, seed: int, split: str) -> list[Picture]:
     """`num` pictures of the `train` or `eval` split (disjoint by picture seed)."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    rng = random.Random(f"{seed}-shapes-{split}")
-    out = []
-    while len(out) < num:
-        s = rng.randrange(2**31)
-        if is_eval_seed(s) == (split == "eval"):
-            out.append(picture(s))
-    return out
+    return [picture(s) for s in split_seeds(num, seed=seed, split=split, task="shapes")]

@@ -1,5 +1,6 @@
-"""The built-in vision tasks as the dataset and the warm start see them: today `shapes` (count
-the shapes of one colour in a picture, `streamrl.data.shapes`)."""
+"""The built-in vision tasks as the dataset and the warm start see them: `shapes` (count the
+shapes of one colour in a picture, `streamrl.data.shapes`) and `motion` (which way a square
+moves in a short clip, `streamrl.data.motion`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamrl.config.derived import VISION_TASKS
-from streamrl.data import shapes
+from streamrl.data import motion, shapes
 from streamrl.media.refs import MediaRef
 
 __all__ = ["VISION_TASKS", "VisionProblem", "sample", "teacher_solution"]
@@ -41,10 +42,19 @@ def sample(task: str, num: int, *, seed: int, split: str) -> list[VisionProblem]
             )
             for p in shapes.sample_pictures(num, seed=seed, split=split)
         ]
+    if task == "motion":
+        return [
+            VisionProblem(
+                c.prompt, c.answer, MediaRef("video", data=c.apng()), f"motion clip {c.seed}", c
+            )
+            for c in motion.sample_clips(num, seed=seed, split=split)
+        ]
     raise ValueError(f"{task!r} is not a built-in vision task ({', '.join(VISION_TASKS)})")
 
 
 def teacher_solution(task: str, problem: VisionProblem, rng: random.Random, warm_start) -> str:
     """The noisy teacher's answer to `problem` (its noise from the `warm_start` settings)."""
+    if task == "motion":
+        return motion.teacher_solution(problem.problem, rng, warm_start.teacher_reverse)
     assert task == "shapes", task
     return shapes.teacher_solution(problem.problem, rng, warm_start.teacher_miscount)

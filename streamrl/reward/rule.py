@@ -30,3 +30,13 @@ def integer_match(response: str, answer: str, **_: object) -> RewardResult:
     if not _INTEGER.fullmatch(final):
         return RewardResult.invalid(f"the answer is not an integer: {final[-30:]!r}")
     return RewardResult.ok(1.0 if int(final) == int(answer) else 0.0)
+
+
+def final_word_match(response: str, answer: str, **_: object) -> RewardResult:
+    """1.0 when the word after the last ':' is the answer (case aside: the built-in motion
+    task's direction), 0.0 for another word, `invalid_output` when nothing follows a ':'."""
+    _, sep, final = response.strip().rpartition(":")
+    final = final.strip()
+    if not sep or not final:
+        return RewardResult.invalid(f"no ':<word>' answer at the end of {response[-30:]!r}")
+    return RewardResult.ok(1.0 if final.lower() == answer.strip().lower() else 0.0)

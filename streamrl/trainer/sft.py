@@ -35,6 +35,7 @@ _TEACHERS = {
     "arith": {"teacher_forget_carry"},
     "calculator": {"teacher_tool_use", "teacher_miscopy"},
     "shapes": {"teacher_miscount"},
+    "motion": {"teacher_reverse"},
 }
 _OTHER_TASKS_TEACHER = {
     task: set().union(*_TEACHERS.values()) - mine for task, mine in _TEACHERS.items()
