@@ -11,6 +11,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from streamrl.config.agent_schema import AgentConfig
+from streamrl.config.data_schema import (  # noqa: F401 - re-exported
+    TASK_REWARDS,
+    DataConfig,
+    MediaConfig,
+    WarmStartConfig,
+)
 from streamrl.config.engine_schema import BUILTIN_ENGINES, SglangConfig, VllmConfig  # noqa: F401 - re-exported
 from streamrl.config.presets import apply_preset
 from streamrl.config.reward_schema import (  # noqa: F401 - re-exported
@@ -29,10 +35,6 @@ from streamrl.config.runtime_schema import (  # noqa: F401 - re-exported: config
     WeightsConfig,
 )
 from streamrl.config.section import Section
-
-# The rule a built-in task is scored by when `reward.function` is not set (the default,
-# `arith_exact_match`, reads a number after the last colon).
-TASK_REWARDS = {"motion": "streamrl.reward.rule:final_word_match"}
 
 
 class ModelConfig(Section):
@@ -67,101 +69,6 @@ class ModelConfig(Section):
     blocks, merger) fixed: only the language model trains, in one process and under FSDP2.
     The engines still receive every weight at each sync. A policy without a vision tower is
     refused (docs/multimodal.md)."""
-
-
-class WarmStartConfig(Section):
-    enabled: bool = True
-    """Run a short supervised warm start (cached by its settings) before RL."""
-    steps: int = Field(800, ge=0)
-    """Optimizer steps of the warm start."""
-    batch_size: int = Field(64, ge=1)
-    """Examples per warm-start step."""
-    lr: float = Field(3e-3, gt=0)
-    """Warm-start learning rate (AdamW, cosine decay)."""
-    teacher_forget_carry: float = Field(0.7, ge=0, le=1)
-    """Fraction of warm-start answers in which the noisy teacher forgets every carry."""
-    teacher_tool_use: float = Field(0.6, ge=0, le=1)
-    """Calculator task: fraction of the teacher's answers that call the tool (the others are
-    guesses)."""
-    teacher_miscopy: float = Field(0.7, ge=0, le=1)
-    """Calculator task: fraction of the teacher's tool answers that copy the result without
-    its last digit."""
-    teacher_miscount: float = Field(0.8, ge=0, le=1)
-    """Shapes task: fraction of the teacher's answers that count one shape fewer than they
-    write down."""
-    teacher_reverse: float = Field(0.8, ge=0, le=1)
-    """Motion task: fraction of the teacher's answers that name the direction opposite to the
-    square's."""
-
-
-class MediaConfig(Section):
-    """Limits on the images, videos and audio of one prompt (docs/multimodal.md)."""
-
-    max_pixels: int = Field(1280 * 28 * 28, ge=28 * 28)
-    """Pixels of an image or of one video frame; larger ones are shrunk (aspect kept), and one
-    over 64 times this is refused unread."""
-    max_frames: int = Field(64, ge=1)
-    """Frames of a video; a longer one is refused (sample it at a lower rate)."""
-    max_audio_seconds: float = Field(30.0, gt=0)
-    """Seconds of an audio clip; a longer one is refused."""
-    max_media: int = Field(8, ge=1)
-    """Images, videos and audio clips of one prompt together."""
-    video_fps: float = Field(2.0, gt=0)
-    """Frame rate of a video that does not say its own (frame files, a .npy array); an
-    animated GIF's frame duration and a container's rate are read from the file."""
-
-
-class DataConfig(Section):
-    task: Literal["arith", "calculator", "shapes", "motion"] = "arith"
-    """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
-    solution), `calculator` (products the model answers with a `calculate` tool; an agent
-    task, `examples/agent_calculator.yaml`), `shapes` (counting coloured shapes in a generated
-    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`) or
-    `motion` (which way a square moves in a generated 2-frame clip; a video task,
-    `examples/video.yaml`, scored by `streamrl.reward.rule:final_word_match` unless
-    `reward.function` is set)."""
-    digits: int = Field(2, ge=1, le=6)
-    """Built-in task: operands have up to this many digits."""
-    train_file: str | None = None
-    """File of {"prompt", "answer"} rows: JSON lines (.jsonl, .json), a JSON array (.json),
-    Parquet, CSV / TSV with a header row, a `datasets` folder from save_to_disk, or a folder or
-    glob pattern of such files (a folder holding more than one split is refused); None uses the
-    built-in task."""
-    eval_file: str | None = None
-    """File of held-out rows, as `train_file`. None: with `train_file`, rows held out from it
-    (min(num_eval, a tenth of it), picked by `seed`); else the built-in task's held-out split."""
-    prompt_key: str = "prompt"
-    """Key of a row's prompt in the data files (dotted into nested records: `a.b`)."""
-    answer_key: str = "answer"
-    """Key of a row's reference answer (veRL's Parquet files: `reward_model.ground_truth`)."""
-    num_eval: int = Field(256, ge=1)
-    """Held-out prompts scored by greedy decoding at each evaluation."""
-    seed: int = 0
-    """Seed of prompt order and of the built-in task's problems."""
-    chat_template: bool = True
-    """Encode each prompt as a one-turn user message through the tokenizer's chat template,
-    with the assistant turn opened; false feeds the prompt text as it is (base models without
-    a chat template: write the format you want into the prompts, or `prompt_template`)."""
-    prompt_template: str | None = None
-    """A format for every prompt's text, with `{prompt}` where the text goes (a conversation's
-    last user message); for example an R1-Zero style instruction around the question for a
-    base model with chat_template=false. Other braces are kept as they are."""
-    system_prompt: str | None = None
-    """A system message put before every prompt (through the chat template, so not with
-    chat_template=false); a conversation with a system message of its own keeps that one."""
-    media: MediaConfig = MediaConfig()
-    """Limits on the media of a prompt (images, videos, audio)."""
-
-    @model_validator(mode="after")
-    def _check_formats(self) -> DataConfig:
-        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
-            raise ValueError("prompt_template needs '{prompt}' where each prompt's text goes")
-        if self.system_prompt is not None and not self.chat_template:
-            raise ValueError(
-                "system_prompt needs chat_template=true (a system message is a chat turn); "
-                "without a chat template, put it into prompt_template"
-            )
-        return self
 
 
 class RolloutConfig(Section):
