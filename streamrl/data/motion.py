@@ -4,9 +4,9 @@ A clip is `FRAMES` (2) frames of 56 x 56 pixels: on a Qwen-VL model, one time st
 merged vision tokens, whose patches each see the same place in both frames. One square of
 jittered colour and shade, 24-30 pixels a side, moves `STEP` (8) pixels a frame left, right, up
 or down, from a place that keeps it inside the picture, on a light background of jittered
-shade. The question is `Which way does the square
-move?`; the answer names the direction after a colon: `moves:left`. The rule reward
-`streamrl.reward.rule:final_word_match` checks the word after the last colon.
+shade. The question is `Which way does the square move?`; the answer names the direction after
+a colon: `moves:left`. The rule reward `streamrl.reward.rule:final_word_match` checks the word
+after the last colon.
 
 Why this task shows that RL works: the warm start imitates a *noisy teacher* that sees the motion
 but, in `teacher_reverse` of its answers, plays the clip backwards and names the opposite
