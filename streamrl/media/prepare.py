@@ -145,6 +145,13 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
         per_token = ("input_ids", "attention_mask", "mm_token_type_ids")
         if name not in per_token and isinstance(value, torch.Tensor):
             entry[name] = value
+    if "feature_attention_mask" in entry:
+        # Audio features come padded to the feature extractor's 30 s; the towers read only the
+        # masked frames, so the padding is left out (1.5 MB a clip otherwise). The kept frames
+        # are those of the padded computation, exactly what an engine computes from the audio.
+        frames = int(entry["feature_attention_mask"].sum(-1).max())
+        entry["input_features"] = entry["input_features"][..., :frames].contiguous()
+        entry["feature_attention_mask"] = entry["feature_attention_mask"][:, :frames].contiguous()
     for i, (medium, ref) in enumerate(zip(decoded, prompt.media, strict=True)):
         entry[f"{MEDIA_PREFIX}{i}.{ref.kind}"] = torch.from_numpy(np.array(medium))
     return entry

@@ -11,7 +11,7 @@ text after a video differently), each row's from its first real token (left padd
 The Omni thinker takes no token types (its forward computes its own positions, by the same
 rule for images and audio; the ones passed here are vLLM's, see `vl_forward`): audio tokens
 advance all three positions by one each, like text. Its audio goes in as `input_features` (log-mel
-frames, padded to the feature extractor's 30 s) with `feature_attention_mask` marking the real
+frames, padded to the batch's longest clip) with `feature_attention_mask` marking the real
 frames.
 
 The placeholder tokens (`<|image_pad|>`, `<|video_pad|>`; the Omni thinker's `<|IMAGE|>`,
@@ -45,6 +45,11 @@ def is_omni_thinker(model) -> bool:
     """Whether `model` is a Qwen2.5-Omni thinker (an audio tower and a vision tower beside its
     text model, which sits directly under `model.model`)."""
     return hasattr(model, "audio_tower") and hasattr(model, "visual")
+
+
+def is_multimodal(model) -> bool:
+    """Whether `model` reads media: a Qwen-VL model or an Omni thinker."""
+    return is_vision_language(model) or is_omni_thinker(model)
 
 
 def text_model(model):

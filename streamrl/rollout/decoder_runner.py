@@ -6,9 +6,9 @@ runs its AVX2 kernels: about twice the throughput), about twenty tensor ops a la
 step, no Python work per sequence. Mixture-of-experts layers (Qwen3-MoE) route with
 `streamrl.models.moe.route` and can leave the experts of every token behind for routing replay.
 In fp32 the norms and the attention scale are folded into the projections; below fp32 the
-runner keeps transformers' order of operations (`_LayerWeights`). Qwen-VL models run their
-language model here too, with prompts' embeddings and 3-D positions from their vision tower
-(`streamrl.rollout.vision_prompts`). `rollout/builtin_engine.py` drives it: slots, sampling and
+runner keeps transformers' order of operations (`_LayerWeights`). Qwen-VL models and the
+Qwen2.5-Omni thinker run their language model here too, with prompts' embeddings and 3-D
+positions from their vision and audio towers (`streamrl.rollout.vision_prompts`). `rollout/builtin_engine.py` drives it: slots, sampling and
 results.
 """
 
@@ -23,30 +23,28 @@ import torch.nn.functional as F
 
 from streamrl.models.moe import check_routable, route
 from streamrl.models.onednn import onednn_linear_usable, onednn_preferred
-from streamrl.models.vision import is_vision_language, placeholder_ids, text_model
+from streamrl.models.vision import is_multimodal, placeholder_ids, text_model
 from streamrl.rollout.vision_prompts import mrope_bands, prompt_inputs, rotary_tables
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 # Vision-language models whose language model is one of those (a Qwen2 decoder, 3-D positions).
 VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# Refused with a message of their own: the Omni model, and the thinker transformers loads from it.
+# The Qwen2.5-Omni model (as its directory's config names it) and the thinker transformers loads
+# from it: a Qwen2 decoder with 3-D positions beside an audio and a vision tower.
 OMNI_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
 
 
 def unsupported(config, rope_type: str | None = None) -> str | None:
     """Why the builtin engine cannot run a model of this HF config (None: it can). `rope_type`
     is the model's own (its rotary module's); by default it is read from the config."""
-    if config.model_type in OMNI_TYPES:
-        return (
-            "the builtin engine does not run Qwen2.5-Omni models (their audio tower is not "
-            "wired into its decoder runner); use rollout.engine=vllm"
-        )
-    if config.model_type in VISION_LANGUAGE_TYPES:
+    if config.model_type == "qwen2_5_omni":
+        config = config.thinker_config
+    if config.model_type in VISION_LANGUAGE_TYPES + OMNI_TYPES:
         config = config.text_config
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope_type or rope.get("rope_type", "default")
     elif config.model_type not in SUPPORTED_MODEL_TYPES:
-        kinds = ", ".join(SUPPORTED_MODEL_TYPES + VISION_LANGUAGE_TYPES)
+        kinds = ", ".join(SUPPORTED_MODEL_TYPES + VISION_LANGUAGE_TYPES + OMNI_TYPES)
         return (
             f"the builtin engine runs {kinds} models, got model_type {config.model_type!r}; use "
             "one of those or rollout.engine=vllm"
@@ -91,7 +89,7 @@ class DecoderRunner:
         config = getattr(model.config, "text_config", model.config)
         self.model = model
         self.text = text_model(model)  # the decoder stack (a vision-language model's LM)
-        self.vision = is_vision_language(model)
+        self.vision = is_multimodal(model)
         self.device = self.text.embed_tokens.weight.device
         self.dtype = self.text.embed_tokens.weight.dtype
         # Wanted (None: where it beats MKL, `model.onednn_linears="auto"`) and usable (fp32, CPU).
@@ -160,14 +158,14 @@ class DecoderRunner:
         media: Sequence[Any] | None = None,
     ) -> torch.Tensor:
         """Run the prompts into cache rows `slots`; return each one's next-token logits [n, V].
-        `media` (a vision-language model) holds each prompt's processor tensors (a mapping with
+        `media` (a multimodal model) holds each prompt's processor tensors (a mapping with
         `pixel_values`, `image_grid_thw`, ... and a `key` naming them; None for a text prompt).
 
         Identical prompts are computed once (in the slot of the first) and their rows copied.
         """
         media = list(media) if media is not None else [None] * len(prompts)
         if any(m for m in media) and not self.vision:
-            raise ValueError("prompts with images or videos need a vision-language model")
+            raise ValueError("prompts with media need a multimodal (Qwen-VL or Omni) model")
         keys = [(tuple(p), (m or {}).get("key")) for p, m in zip(prompts, media, strict=True)]
         first_slot: dict[tuple, int] = {}
         first_media: dict[tuple, Any] = {}

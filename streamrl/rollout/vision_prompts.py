@@ -1,13 +1,15 @@
-"""What the builtin engine needs to run a Qwen-VL prompt: its input embeddings and 3-D positions.
+"""What the builtin engine needs to run a multimodal prompt: its input embeddings and 3-D positions.
 
-A Qwen2-VL / Qwen2.5-VL language model is a Qwen2 decoder whose inputs differ from a text
-model's in two ways: every image or video placeholder token's embedding is replaced by the
-vision tower's output for its merged patch, and rotary positions are three numbers per token
-(time, height, width; text tokens have all three equal) whose frequency bands come from the
-three in `mrope_section` order. `prompt_inputs` computes both with the model's own vision tower
-(`get_image_features`, `get_video_features`) and the position rule the trainer's forward is
-given (`streamrl.models.vl_forward.mrope_position_ids`), so the engine and the trainer agree. After the prompt, a text token's three positions are equal and
-trail its cache column by the prompt's `rope_delta`, which is all decoding needs.
+A Qwen2-VL / Qwen2.5-VL language model (and the Qwen2.5-Omni thinker's) is a Qwen2 decoder whose
+inputs differ from a text model's in two ways: every image, video or audio placeholder token's
+embedding is replaced by its tower's output for its merged patch or audio frame pair, and rotary
+positions are three numbers per token (time, height, width; text and audio tokens have all three
+equal) whose frequency bands come from the three in `mrope_section` order. `prompt_inputs`
+computes both with the model's own towers (`get_image_features`, `get_video_features`,
+`get_audio_features`) and the position rule the trainer's forward is given
+(`streamrl.models.vl_forward.mrope_position_ids`), so the engine and the trainer agree. After
+the prompt, a text token's three positions are equal and trail its cache column by the prompt's
+`rope_delta`, which is all decoding needs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from typing import Any
 
 import torch
 
+from streamrl.models.vision import is_omni_thinker, text_model
 from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids
-
-VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def mrope_bands(model, head_dim: int) -> torch.Tensor | None:
@@ -50,52 +51,75 @@ class PromptInputs:
 def prompt_inputs(model, ids: torch.Tensor, media: Mapping[str, Any] | None) -> PromptInputs:
     """The embeddings and positions of prompt `ids` (1-D) with its processor tensors `media`
     (None or empty: a text prompt, whose positions are 0 .. len - 1)."""
-    inner = model.model
-    embeds = inner.language_model.embed_tokens(ids)
-    ids_bt = ids[None]
-    grids = {key: media[key] for key in VISION_INPUTS if media and media.get(key) is not None}
-    for pixels_key, grid_key, token_id, features in (
-        ("pixel_values", "image_grid_thw", model.config.image_token_id, inner.get_image_features),
-        (
-            "pixel_values_videos",
-            "video_grid_thw",
-            model.config.video_token_id,
-            inner.get_video_features,
-        ),
-    ):
-        if pixels_key not in grids:
-            continue
-        pixels = grids[pixels_key].to(embeds.device, inner.visual.dtype)
-        grid = grids[grid_key].to(embeds.device)
-        out = features(pixels, grid)
-        pooled = out.pooler_output if hasattr(out, "pooler_output") else out
-        feats = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
+    omni = is_omni_thinker(model)
+    owner = model if omni else model.model  # where the towers' feature methods are
+    embeds = text_model(model).embed_tokens(ids)
+    media = media or {}
+    config = model.config
+    seen: list[str] = []
+    for kind, token_id, features in _media_features(owner, media, config, ids.device):
+        seen.append(kind)
         where = ids == token_id
-        if int(where.sum()) != feats.shape[0]:
+        if int(where.sum()) != features.shape[0]:
             raise ValueError(
-                f"the prompt has {int(where.sum())} placeholder tokens for {feats.shape[0]} "
-                "vision features: its ids and media come from different processing"
+                f"the prompt has {int(where.sum())} {kind} placeholder tokens for "
+                f"{features.shape[0]} {kind} features: its ids and media come from different "
+                "processing"
             )
         embeds = embeds.clone()
-        embeds[where] = feats.to(embeds.dtype)
-    if not grids:
-        placeholders = (ids == model.config.image_token_id) | (ids == model.config.video_token_id)
-        if bool(placeholders.any()):
+        embeds[where] = features.to(embeds.dtype)
+    for kind, token_id in (
+        ("image", config.image_token_id),
+        ("video", config.video_token_id),
+        ("audio", getattr(config, "audio_token_id", None)),
+    ):
+        if kind not in seen and token_id is not None and bool((ids == token_id).any()):
             raise ValueError(
-                f"the prompt has {int(placeholders.sum())} image / video placeholder tokens but "
-                "no media: a multimodal prompt's ids and media travel together"
+                f"the prompt has {int((ids == token_id).sum())} {kind} placeholder tokens but "
+                f"no {kind} input: a multimodal prompt's ids and media travel together"
             )
+    if "image" not in seen and "video" not in seen:  # text and audio: 1-D positions
         positions = torch.arange(len(ids), device=ids.device).expand(3, -1)
         return PromptInputs(embeds, positions, 0)
-    seconds = media.get("second_per_grid_ts") if media else None
+    seconds = media.get("video_second_per_grid" if omni else "second_per_grid_ts")
     positions_3l = mrope_position_ids(
-        model.config,
-        mm_token_type_ids(model.config, ids_bt).cpu(),
-        _cpu(grids.get("image_grid_thw")),
-        _cpu(grids.get("video_grid_thw")),
+        config,
+        mm_token_type_ids(config, ids[None]).cpu(),
+        _cpu(media.get("image_grid_thw")),
+        _cpu(media.get("video_grid_thw")),
         _cpu(seconds),
     )[:, 0].to(ids.device)
     return PromptInputs(embeds, positions_3l, int(positions_3l.max()) + 1 - len(ids))
+
+
+def _media_features(owner, media: Mapping[str, Any], config, device: torch.device):
+    """(kind, placeholder token id, features [tokens, hidden]) of each medium kind `media`
+    holds, from the model's own towers (`owner` has the `get_*_features` methods)."""
+    for kind, pixels_key, grid_key, token_id, method in (
+        ("image", "pixel_values", "image_grid_thw", config.image_token_id, "get_image_features"),
+        (
+            "video",
+            "pixel_values_videos",
+            "video_grid_thw",
+            config.video_token_id,
+            "get_video_features",
+        ),
+    ):
+        if media.get(pixels_key) is None:
+            continue
+        pixels = torch.as_tensor(media[pixels_key]).to(device, owner.visual.dtype)
+        out = getattr(owner, method)(pixels, torch.as_tensor(media[grid_key]).to(device))
+        pooled = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(pooled, (list, tuple)):
+            pooled = torch.cat(list(pooled))
+        yield kind, token_id, pooled
+    if media.get("input_features") is not None:
+        features = torch.as_tensor(media["input_features"])
+        mask = torch.as_tensor(media["feature_attention_mask"]).to(device)
+        out = owner.get_audio_features(
+            features.to(device, owner.audio_tower.dtype), mask, return_dict=True
+        )
+        yield "audio", config.audio_token_id, out.last_hidden_state
 
 
 def _cpu(value):

@@ -89,7 +89,7 @@ def pack(
 
 
 # The processor tensors a Qwen-VL or Omni thinker forward takes, each concatenated over the
-# batch's rows (an audio's features are padded to the feature extractor's 30 s, so they stack).
+# batch's rows (audio features and their masks padded to the longest clip's frames).
 MEDIA_TENSORS = (
     "pixel_values",
     "image_grid_thw",
@@ -109,8 +109,13 @@ def collate_media(media: Sequence[dict | None]) -> dict[str, torch.Tensor]:
     out = {}
     for name in MEDIA_TENSORS:
         parts = [m[name] for m in media if m is not None and m.get(name) is not None]
-        if parts:
-            out[name] = torch.cat([torch.as_tensor(p) for p in parts])
+        if not parts:
+            continue
+        parts = [torch.as_tensor(p) for p in parts]
+        if name in ("input_features", "feature_attention_mask"):  # frames last; mask 0 on pads
+            frames = max(p.shape[-1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, frames - p.shape[-1])) for p in parts]
+        out[name] = torch.cat(parts)
     return out
 
 

@@ -1,7 +1,8 @@
 """Audio prompts through the tiny Qwen2.5-Omni thinker: the model directory, the feeder's
 preparation and the trainer's log-probs (vLLM's agree with them: `test_vllm_audio.py`).
 
-The trainer's forward (`response_logprobs`, with the positions `forward_media_kwargs` computes by
+The builtin engine runs the thinker, and its log-probs are the trainer's. The trainer's forward
+(`response_logprobs`, with the positions `forward_media_kwargs` computes by
 vLLM's rule) gives exactly the log-probs of the thinker's own forward, which computes its own
 positions, for audio prompts, an audio-and-image prompt and text rows batched together.
 """
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 
 from streamrl.api import fields as F
+from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.media.cache import MediaCache
 from streamrl.media.load import MediaLimits
 from streamrl.media.prepare import MediaPreparer, bus_value, row_media
@@ -26,7 +28,9 @@ from streamrl.models.loading import is_multimodal_dir, load_causal_lm
 from streamrl.models.processors import load_processor
 from streamrl.models.tiny_omni import SPEAKERS_FILE, build_tiny_omni_model_dir
 from streamrl.models.vision import placeholder_ids
+from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.rollout.decoder_runner import unsupported
+from streamrl.rollout.vision_prompts import prompt_inputs
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 
@@ -128,7 +132,7 @@ def test_an_audio_prompt_is_expanded_and_its_features_stored(preparer) -> None:
     assert rows[1][F.PROMPT_IDS].tolist().count(audio_id) == 57  # 2.3 s
     media = row_media(rows)
     first = media[0]
-    assert first["input_features"].shape == (1, 128, 3000)  # padded to 30 s
+    assert first["input_features"].shape == (1, 128, 100)  # the 30 s padding left out
     assert int(first["feature_attention_mask"].sum()) == 100
     assert first["decoded"][0][0] == "audio" and first["decoded"][0][1].shape == (16000,)
     assert media[2]["image_grid_thw"].tolist() == [[1, 4, 6]] and media[3] is None
@@ -190,6 +194,70 @@ def test_a_processor_without_audio_refuses_an_audio_prompt(tmp_path) -> None:
     assert preparer.dropped == {"unsupported": 1}
 
 
-def test_the_builtin_engine_refuses_the_thinker_naming_vllm(model) -> None:
-    reason = unsupported(model.config)
-    assert reason is not None and "rollout.engine=vllm" in reason
+def _engine_requests(rows) -> list[GenerationRequest]:
+    media = row_media(rows)
+    return [
+        GenerationRequest(f"r{i}", [int(t) for t in row[F.PROMPT_IDS]], m)
+        for i, (row, m) in enumerate(zip(rows, media, strict=True))
+    ]
+
+
+def _gaps(model, requests, results, pad_token_id, versions=None) -> list[float]:
+    """Per row, the largest |engine - trainer| log-prob over its tokens (of `versions`)."""
+    batch = pack(
+        [r.prompt_ids for r in requests],
+        [res.response_ids for res in results],
+        pad_token_id,
+        media=[r.media for r in requests],
+    )
+    with torch.no_grad():
+        trained = response_logprobs(model, batch)
+    gaps = []
+    for i, res in enumerate(results):
+        keep = [k for k, v in enumerate(res.versions) if versions is None or v in versions]
+        gap = trained[i, keep] - torch.tensor(res.logprobs)[keep]
+        gaps.append(float(gap.abs().max()) if keep else 0.0)
+    return gaps
+
+
+def test_builtin_engine_and_trainer_agree_on_audio(omni_dir, preparer) -> None:
+    """The builtin engine runs the thinker (audio tower, image tower, 3-D positions): its
+    log-probs of its own samples are the trainer's, before and across a weight update."""
+    from transformers import AutoConfig
+
+    # The directory's config (the whole Omni model's, as preflight reads it) passes too.
+    assert unsupported(AutoConfig.from_pretrained(omni_dir)) is None
+    model = load_causal_lm(omni_dir)
+    tokenizer = preparer.processor.tokenizer
+    requests = _engine_requests(audio_rows(preparer))
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    results = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=1.0, seed=4))
+    assert all(not set(placeholder_ids(model)) & set(r.response_ids) for r in results)
+    gaps = _gaps(model, requests, results, tokenizer.pad_token_id)
+    assert max(gaps) <= 1e-5, gaps
+
+    torch.manual_seed(0)
+    new = {
+        name: p.detach() + 0.05 * torch.randn_like(p)
+        for name, p in model.named_parameters()
+        if "audio_tower" in name or "layers.0" in name  # the audio tower changes too
+    }
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        return (1, new) if calls["n"] == 4 else None
+
+    results = engine.generate(
+        requests, SamplingParams(max_new_tokens=8, temperature=1.0, seed=2), weight_poll=poll
+    )
+    assert engine.version == 1 and any(0 in r.versions and 1 in r.versions for r in results)
+    gaps = _gaps(model, requests, results, tokenizer.pad_token_id, versions={1})
+    assert max(gaps) <= 1e-5, gaps
+
+
+def test_audio_placeholders_without_features_are_refused(model, preparer) -> None:
+    rows = audio_rows(preparer)
+    ids = torch.as_tensor(rows[0][F.PROMPT_IDS])
+    with pytest.raises(ValueError, match="audio placeholder tokens but no audio input"):
+        prompt_inputs(model, ids, None)
