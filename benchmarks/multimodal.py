@@ -5,15 +5,16 @@ modality (images: the shapes task's pictures; video: 8-frame clips of a moving s
 1 s tones at 16 kHz), with an empty store, on the tiny Qwen2.5-VL's processor (image, video)
 and the tiny Qwen2.5-Omni thinker's (audio).
 
-Part 2, in a run (images; no audio task is built in): `streamrl train examples/vision.yaml` for
-a few steps twice, side by side,
-with an empty media store (every prompt processed during the run, by the feeder) and with the
-store the first run filled (nothing to process). It prints the feeder's preprocessing seconds
-as a share of step time, and the trainer's idle fraction in both runs: their difference is what
-preprocessing costs the trainer (near zero: it happens in the feeder, ahead of the rollout).
+Part 2, in a run, for each modality's built-in task (image: `examples/vision.yaml`, video:
+`examples/video.yaml`, audio: `examples/audio.yaml`): `streamrl train` for a few steps twice,
+side by side, with an empty media store (every prompt processed during the run, by the feeder)
+and with the store the first run filled (nothing to process). It prints the feeder's
+preprocessing seconds as a share of step time, and the trainer's idle fraction in both runs:
+their difference is what preprocessing costs the trainer (near zero: it happens in the feeder,
+ahead of the rollout). Each task's warm start is built once first, untimed (minutes).
 
-    python benchmarks/multimodal.py                  # both parts
-    python benchmarks/multimodal.py --steps 12 --prompts 256
+    python benchmarks/multimodal.py                  # both parts, every modality
+    python benchmarks/multimodal.py --steps 12 --prompts 256 --modalities audio
 """
 
 from __future__ import annotations
@@ -56,26 +57,16 @@ def _video_prompts(num: int, tmp: Path):
 
 
 def _audio_prompts(num: int):
-    import io
-    import wave
-
+    from streamrl.media.load import encode_wav
     from streamrl.media.refs import MediaRef, MultimodalPrompt
 
     out = []
     for i in range(num):
         t = np.arange(16000) / 16000.0  # 1 s at 16 kHz
-        tone = (0.4 * np.sin(2 * np.pi * (220.0 + 5 * i) * t) * 32767).astype(np.int16)
-        buf = io.BytesIO()
-        with wave.open(buf, "wb") as wav:
-            wav.setnchannels(1)
-            wav.setsampwidth(2)
-            wav.setframerate(16000)
-            wav.writeframes(tone.tobytes())
+        wav = encode_wav(0.4 * np.sin(2 * np.pi * (220.0 + 5 * i) * t), 16000)
         content = [{"type": "audio"}, {"type": "text", "text": "Is the tone high?"}]
         out.append(
-            MultimodalPrompt(
-                [{"role": "user", "content": content}], (MediaRef("audio", data=buf.getvalue()),)
-            )
+            MultimodalPrompt([{"role": "user", "content": content}], (MediaRef("audio", data=wav),))
         )
     return out
 
@@ -129,9 +120,16 @@ def throughput(num: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(run_dir: Path, cache_dir: Path, steps: int) -> dict:
+EXAMPLES = {
+    "image": "examples/vision.yaml",
+    "video": "examples/video.yaml",
+    "audio": "examples/audio.yaml",
+}
+
+
+def _run(example: str, run_dir: Path, cache_dir: Path, steps: int) -> dict:
     overrides = [
-        "examples/vision.yaml",
+        example,
         f"trainer.steps={steps}",
         "trainer.eval_every=0",
         "trainer.checkpoint_every=0",
@@ -157,22 +155,26 @@ def _run(run_dir: Path, cache_dir: Path, steps: int) -> dict:
     }
 
 
-def in_a_run(steps: int) -> None:
+def in_a_run(steps: int, modalities: list[str]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="mm-run-"))
     cache = tmp / "cache"
+    head = f"{'modality':<10}{'media store':<13}{'preprocess s':>14}{'share of step':>15}"
+    print(f"{head}{'trainer idle':>14}")
     try:
-        # The warm start, built once (not timed), shared by both runs through the cache.
-        _run(tmp / "warmup", cache, 1)
-        shutil.rmtree(cache / "media", ignore_errors=True)
-        cold = _run(tmp / "cold", cache, steps)  # every prompt processed during the run
-        warm = _run(tmp / "warm", cache, steps)  # the same prompts, already in the store
-        print(f"{'media store':<14}{'preprocess s':>14}{'share of step':>15}{'trainer idle':>14}")
-        for name, r in (("empty", cold), ("filled", warm)):
-            print(
-                f"{name:<14}{r['preprocess_s']:>14.3f}{r['feeder_share']:>15.4f}"
-                f"{r['trainer_idle']:>14.3f}"
-            )
-        print(f"trainer wait on preprocessing {cold['trainer_idle'] - warm['trainer_idle']:+.3f}")
+        for kind in modalities:
+            example = EXAMPLES[kind]
+            # The warm start, built once (not timed), shared by both runs through the cache.
+            _run(example, tmp / f"{kind}-warmup", cache, 1)
+            shutil.rmtree(cache / "media", ignore_errors=True)
+            cold = _run(example, tmp / f"{kind}-cold", cache, steps)  # all processed in the run
+            warm = _run(example, tmp / f"{kind}-warm", cache, steps)  # all already in the store
+            for name, r in (("empty", cold), ("filled", warm)):
+                print(
+                    f"{kind:<10}{name:<13}{r['preprocess_s']:>14.3f}{r['feeder_share']:>15.4f}"
+                    f"{r['trainer_idle']:>14.3f}"
+                )
+            wait = cold["trainer_idle"] - warm["trainer_idle"]
+            print(f"{kind:<10}trainer wait on preprocessing {wait:+.3f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -182,10 +184,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256, help="prompts per modality (part 1)")
     parser.add_argument("--steps", type=int, default=12, help="steps of each run (part 2)")
     parser.add_argument("--skip-run", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--modalities",
+        nargs="+",
+        choices=list(EXAMPLES),
+        default=list(EXAMPLES),
+        help="whose built-in task part 2 runs",
+    )
     args = parser.parse_args()
     throughput(args.prompts)
     if not args.skip_run:
-        in_a_run(args.steps)
+        in_a_run(args.steps, args.modalities)
 
 
 if __name__ == "__main__":

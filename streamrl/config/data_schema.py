@@ -12,7 +12,10 @@ from streamrl.config.section import Section
 
 # The rule a built-in task is scored by when `reward.function` is not set (the default,
 # `arith_exact_match`, reads a number after the last colon).
-TASK_REWARDS = {"motion": "streamrl.reward.rule:final_word_match"}
+TASK_REWARDS = {
+    "motion": "streamrl.reward.rule:final_word_match",
+    "tones": "streamrl.reward.rule:final_word_match",
+}
 
 
 class WarmStartConfig(Section):
@@ -38,6 +41,9 @@ class WarmStartConfig(Section):
     teacher_reverse: float = Field(0.8, ge=0, le=1)
     """Motion task: fraction of the teacher's answers that name the direction opposite to the
     square's."""
+    teacher_ear: float = Field(4.0, ge=1)
+    """Tones task: the teacher cannot tell apart two pitches less than this factor apart, and
+    then guesses (first or second, evenly)."""
 
 
 class MediaConfig(Section):
@@ -58,14 +64,15 @@ class MediaConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["arith", "calculator", "shapes", "motion"] = "arith"
+    task: Literal["arith", "calculator", "shapes", "motion", "tones"] = "arith"
     """Built-in task (used when `train_file` is not set): `arith` (addition with a worked
     solution), `calculator` (products the model answers with a `calculate` tool; an agent
     task, `examples/agent_calculator.yaml`), `shapes` (counting coloured shapes in a generated
-    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`) or
+    picture; a vision task for the built-in vision-language model, `examples/vision.yaml`),
     `motion` (which way a square moves in a generated 2-frame clip; a video task,
-    `examples/video.yaml`, scored by `streamrl.reward.rule:final_word_match` unless
-    `reward.function` is set)."""
+    `examples/video.yaml`) or `tones` (which of two generated tones is higher; an audio task
+    for the built-in Qwen2.5-Omni thinker, `examples/audio.yaml`). `motion` and `tones` are
+    scored by `streamrl.reward.rule:final_word_match` unless `reward.function` is set."""
     digits: int = Field(2, ge=1, le=6)
     """Built-in task: operands have up to this many digits."""
     train_file: str | None = None

@@ -58,8 +58,11 @@ def held_groups(cfg: Config, groups_per_step: int) -> int:
     return cfg.trainer.checkpoint_every * groups_per_step if in_place_recovery(cfg) else 0
 
 
-# Built-in tasks whose prompts hold images: the built-in model is then a vision-language one.
+# Built-in tasks whose prompts hold media: the built-in model is then a vision-language one
+# (images, video), or a Qwen2.5-Omni thinker for audio.
 VISION_TASKS = ("shapes", "motion")
+AUDIO_TASKS = ("tones",)
+MEDIA_TASKS = VISION_TASKS + AUDIO_TASKS
 
 
 # Top-level keys of a model's config.json that make it multimodal: a vision tower (Qwen-VL), or
@@ -69,15 +72,29 @@ MULTIMODAL_CONFIG_KEYS = ("vision_config", "thinker_config")
 
 def multimodal(cfg: Config) -> bool:
     """Whether the policy takes images, video or audio: a `model.path` whose config has a
-    vision tower or is a Qwen2.5-Omni thinker's, or the built-in model of a built-in vision task. Every role that reads a prompt
+    vision tower or is a Qwen2.5-Omni thinker's, or the built-in model of a built-in media task. Every role that reads a prompt
     then reads its `media` field too."""
     if cfg.model.path is None:
-        return cfg.data.train_file is None and cfg.data.task in VISION_TASKS
+        return cfg.data.train_file is None and cfg.data.task in MEDIA_TASKS
+    return any(key in _model_config(cfg.model.path) for key in MULTIMODAL_CONFIG_KEYS)
+
+
+def audio_policy(cfg: Config) -> bool:
+    """Whether the policy is a Qwen2.5-Omni thinker: a `model.path` whose config is an Omni
+    model's (or the thinker's own, as the trainer saves it), or the built-in audio task's."""
+    if cfg.model.path is None:
+        return cfg.data.train_file is None and cfg.data.task in AUDIO_TASKS
+    config = _model_config(cfg.model.path)
+    return "thinker_config" in config or "audio_config" in config
+
+
+def _model_config(path: str) -> dict:
+    """The model directory's config.json ({} when there is none, or it is not an object)."""
     import json
     from pathlib import Path
 
     try:
-        config = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and any(key in config for key in MULTIMODAL_CONFIG_KEYS)
+        return {}
+    return config if isinstance(config, dict) else {}

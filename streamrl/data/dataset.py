@@ -72,8 +72,9 @@ def rows_digest(rows: list[PromptRow]) -> str:
 def builtin_rows(
     num: int, *, digits: int, seed: int, split: str, task: str = "arith"
 ) -> list[PromptRow]:
-    """`num` rows of the built-in task `task` (`arith`, `calculator`, `shapes` or `motion`)."""
-    if task in vision_tasks.VISION_TASKS:
+    """`num` rows of the built-in task `task` (`arith`, `calculator`, `shapes`, `motion` or
+    `tones`)."""
+    if task in vision_tasks.MEDIA_TASKS:
         return [
             PromptRow(p.messages, p.answer, media=(p.medium,), origin=f"built-in {p.origin}")
             for p in vision_tasks.sample(task, num, seed=seed, split=split)

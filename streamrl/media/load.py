@@ -194,6 +194,19 @@ def load_audio(ref: MediaRef, limits: MediaLimits) -> np.ndarray:
     return samples
 
 
+def encode_wav(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
+    """16-bit PCM WAV bytes of float samples in [-1, 1] (clipped), each sample repeated on
+    `channels` channels: what `_decode_audio` reads back to within 16-bit rounding."""
+    pcm = (np.clip(np.asarray(samples, dtype=np.float64), -1, 1) * 32767).astype(np.int16)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(channels)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(np.repeat(pcm, channels).tobytes())
+    return out.getvalue()
+
+
 def _decode_audio(ref: MediaRef) -> tuple[np.ndarray, int]:
     """Mono float32 samples in [-1, 1] and the sample rate."""
     try:

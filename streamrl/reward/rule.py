@@ -33,8 +33,9 @@ def integer_match(response: str, answer: str, **_: object) -> RewardResult:
 
 
 def final_word_match(response: str, answer: str, **_: object) -> RewardResult:
-    """1.0 when the word after the last ':' is the answer (case aside: the built-in motion
-    task's direction), 0.0 for another word, `invalid_output` when nothing follows a ':'."""
+    """1.0 when the word after the last ':' is the answer (case aside: the built-in motion and
+    tones tasks' direction or tone), 0.0 for another word, `invalid_output` when nothing
+    follows a ':'."""
     _, sep, final = response.strip().rpartition(":")
     final = final.strip()
     if not sep or not final:

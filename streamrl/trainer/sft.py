@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from streamrl.config.derived import multimodal
+from streamrl.config.derived import AUDIO_TASKS, multimodal
 from streamrl.config.schema import Config
 from streamrl.data import arith, calculator, vision_tasks
 from streamrl.data.prompts import encode_prompt, encode_response
@@ -36,6 +36,7 @@ _TEACHERS = {
     "calculator": {"teacher_tool_use", "teacher_miscopy"},
     "shapes": {"teacher_miscount"},
     "motion": {"teacher_reverse"},
+    "tones": {"teacher_ear"},
 }
 _OTHER_TASKS_TEACHER = {
     task: set().union(*_TEACHERS.values()) - mine for task, mine in _TEACHERS.items()
@@ -97,7 +98,9 @@ def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # `out` appears only when complete
     shutil.rmtree(tmp, ignore_errors=True)
     build = build_tiny_model_dir
-    if multimodal(cfg):  # a built-in vision task: the tiny model with a vision tower
+    if cfg.data.task in AUDIO_TASKS:  # the tiny Qwen2.5-Omni thinker (an audio tower)
+        from streamrl.models.tiny_omni import build_tiny_omni_model_dir as build
+    elif multimodal(cfg):  # a built-in vision task: the tiny model with a vision tower
         from streamrl.models.tiny_vl import build_tiny_vl_model_dir as build
     build(
         tmp,
@@ -133,7 +136,7 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
     configure_linears(model, cfg.model.onednn_linears)
     model.train()
     rng = random.Random(cfg.run.seed)
-    if cfg.data.task in vision_tasks.VISION_TASKS:
+    if cfg.data.task in vision_tasks.MEDIA_TASKS:
         batches = vision_teacher_batches(cfg, model_dir, rng)
     else:
         batches = teacher_batches(cfg, tokenizer, rng)
@@ -195,7 +198,7 @@ Example = tuple[list[int], list[int], list[int]] | tuple[list[int], list[int], l
 
 
 def vision_teacher_batches(cfg: Config, model_dir: Path, rng: random.Random):
-    """Endless batches of a built-in vision task's noisy teacher (`streamrl.data.vision_tasks`),
+    """Endless batches of a built-in media task's noisy teacher (`streamrl.data.vision_tasks`),
     each picture or clip processed once by the model's processor."""
     from streamrl.media.cache import MediaCache
     from streamrl.media.load import MediaLimits

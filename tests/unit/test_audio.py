@@ -10,7 +10,6 @@ positions, for audio prompts, an audio-and-image prompt and text rows batched to
 from __future__ import annotations
 
 import io
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from PIL import Image
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.media.cache import MediaCache
-from streamrl.media.load import MediaLimits
+from streamrl.media.load import MediaLimits, encode_wav
 from streamrl.media.prepare import MediaPreparer, bus_value, row_media
 from streamrl.media.refs import MediaRef, MultimodalPrompt
 from streamrl.models.loading import is_multimodal_dir, load_causal_lm
@@ -53,14 +52,7 @@ def model(omni_dir):
 def sine_wav(seconds: float = 1.0, freq: float = 440.0, rate: int = 16000) -> bytes:
     """A 16-bit mono sine tone as WAV bytes."""
     t = np.arange(int(rate * seconds)) / rate
-    tone = (0.3 * np.sin(2 * np.pi * freq * t) * 32767).astype(np.int16)
-    out = io.BytesIO()
-    with wave.open(out, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes(tone.tobytes())
-    return out.getvalue()
+    return encode_wav(0.3 * np.sin(2 * np.pi * freq * t), rate)
 
 
 def _png(color, size=(84, 56)) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
-import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from PIL import Image
 from streamrl.media.cache import MediaCache
 from streamrl.media.load import (
     MediaLimits,
+    encode_wav,
     load_audio,
     load_image,
     load_media,
@@ -30,12 +31,7 @@ def _png(path, size=(32, 24), color=(255, 0, 0)):
 
 def _wav(path, *, rate=16000, seconds=0.5, freq=440.0, channels=1):
     t = np.arange(int(rate * seconds)) / rate
-    tone = (0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype(np.int16)
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(channels)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes(np.repeat(tone, channels).tobytes())
+    Path(path).write_bytes(encode_wav(0.5 * np.sin(2 * np.pi * freq * t), rate, channels))
     return str(path)
 
 
