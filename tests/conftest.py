@@ -48,11 +48,17 @@ settings.register_profile("streamrl", deadline=None)
 settings.load_profile("streamrl")
 
 # The longest test files, longest first (CI's `--durations` on a slow 2-core machine: each of
-# these holds a test of 100-340 s, most of them whole training jobs). They run before everything
+# these holds a test of 100-750 s, most of them whole training jobs). They run before everything
 # else: with two xdist workers the suite ends when its last long test ends, and a worker that
 # runs out of work steals from the end of the other's queue, so the short tests fill in at the
-# end instead of one long test running alone there.
+# end instead of one long test running alone there. A new learning test of minutes belongs here.
 LONGEST_FIRST = (
+    "integration/test_judge_demo.py",
+    "integration/test_agent_calculator.py",
+    "integration/test_video_task.py",
+    "integration/test_moe_demo.py",
+    "integration/test_audio_task.py",
+    "integration/test_vision_demo.py",
     "integration/test_vllm_engine.py",
     "integration/test_cluster.py",
     "integration/test_demo_learns.py",

@@ -76,7 +76,7 @@ def multimodal(cfg: Config) -> bool:
     then reads its `media` field too."""
     if cfg.model.path is None:
         return cfg.data.train_file is None and cfg.data.task in MEDIA_TASKS
-    return any(key in _model_config(cfg.model.path) for key in MULTIMODAL_CONFIG_KEYS)
+    return any(key in model_config(cfg.model.path) for key in MULTIMODAL_CONFIG_KEYS)
 
 
 def audio_policy(cfg: Config) -> bool:
@@ -84,11 +84,11 @@ def audio_policy(cfg: Config) -> bool:
     model's (or the thinker's own, as the trainer saves it), or the built-in audio task's."""
     if cfg.model.path is None:
         return cfg.data.train_file is None and cfg.data.task in AUDIO_TASKS
-    config = _model_config(cfg.model.path)
+    config = model_config(cfg.model.path)
     return "thinker_config" in config or "audio_config" in config
 
 
-def _model_config(path: str) -> dict:
+def model_config(path) -> dict:
     """The model directory's config.json ({} when there is none, or it is not an object)."""
     import json
     from pathlib import Path

@@ -9,7 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from streamrl.config.derived import MULTIMODAL_CONFIG_KEYS
+from streamrl.config.derived import MULTIMODAL_CONFIG_KEYS, model_config
+
+# The prefix of a Qwen2.5-Omni directory's thinker weights, and the speech output's speaker
+# table, which the Omni model's loading reads (an empty one for a thinker-only model).
+THINKER_PREFIX = "thinker."
+SPEAKERS_FILE = "spk_dict.pt"
 
 # Tokenizer classes that are the `tokenizers` library's tokenizer itself, with no class of their
 # own: `AutoTokenizer` would build this very class (the built-in model's tokenizer is one).
@@ -71,22 +76,39 @@ def load_causal_lm(model_dir: str | Path, *, dtype: str = "float32"):
 def is_multimodal_dir(model_dir: str | Path) -> bool:
     """Whether the model in `model_dir` takes images, video or audio (its config has a vision
     tower, or is a Qwen2.5-Omni thinker's)."""
-    return any(key in _config(model_dir) for key in MULTIMODAL_CONFIG_KEYS)
+    return any(key in model_config(model_dir) for key in MULTIMODAL_CONFIG_KEYS)
 
 
 def is_omni_dir(model_dir: str | Path) -> bool:
     """Whether `model_dir` holds a Qwen2.5-Omni model (its config a `thinker_config`): the
     roles run its thinker."""
-    return "thinker_config" in _config(model_dir)
+    return "thinker_config" in model_config(model_dir)
 
 
-def _config(model_dir: str | Path) -> dict:
-    """The directory's config.json, or {} when it has none that reads as a dict."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+def save_model(model, out_dir: str | Path) -> None:
+    """`model.save_pretrained(out_dir)`; a Qwen2.5-Omni thinker is saved as a whole Omni model
+    without speech output (config `thinker_config`, weights `thinker.*`, an empty speaker
+    table), the layout vLLM reads and `load_causal_lm` loads the thinker from, like the
+    directory the run started from."""
+    model.save_pretrained(str(out_dir))
+    if type(model).__name__ != "Qwen2_5OmniThinkerForConditionalGeneration":
+        return
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5OmniConfig
+
+    out = Path(out_dir)
+    weights = {}
+    for path in sorted(out.glob("*.safetensors")):
+        weights.update({THINKER_PREFIX + k: v for k, v in load_file(str(path)).items()})
+        path.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    thinker = model.config.to_dict()
+    config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
+    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]
+    config.save_pretrained(str(out))
+    torch.save({}, out / SPEAKERS_FILE)
 
 
 def base_model_dir(model_dir: str | Path) -> Path:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from streamrl.models.loading import SPEAKERS_FILE
+
 AUDIO_BOS = "<|audio_bos|>"
 AUDIO_EOS = "<|audio_eos|>"
 AUDIO_PAD = "<|AUDIO|>"
@@ -33,7 +35,6 @@ OMNI_TOKENS = {
     "image_token": IMAGE_PAD,
     "video_token": VIDEO_PAD,
 }
-SPEAKERS_FILE = "spk_dict.pt"
 
 # The tokenizer's template, `content` a string or a list of parts: a medium's part becomes its
 # placeholder between its begin and end tokens (the processor expands the placeholder to one

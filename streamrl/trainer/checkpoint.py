@@ -39,6 +39,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.models.loading import THINKER_PREFIX, is_omni_dir, save_model
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,7 +67,7 @@ def save_checkpoint(
     tmp = root / f".tmp-step-{next_step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    learner.model.save_pretrained(str(tmp / "model"))
+    save_model(learner.model, tmp / "model")
     copy_model_files(policy_dir, tmp / "model")
     torch.save(
         {"optimizer": learner.optimizer_state_dict(tmp), **_rng_states()}, tmp / TRAINER_FILE
@@ -112,6 +114,15 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def model_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights `save_model` wrote, under the names of the model's own parameters (an Omni
+    directory's `thinker.` prefix taken off)."""
+    weights = read_weights(model_dir)
+    if is_omni_dir(model_dir):
+        weights = {name.removeprefix(THINKER_PREFIX): t for name, t in weights.items()}
+    return weights
+
+
 def latest_checkpoint(run_dir: Path, *, checksums: bool = True) -> Path | None:
     """The newest checkpoint in `run_dir` that is whole (`checkpoint_problem`), or None. A newer
     one that is not is skipped with a warning that names the bad file: the run resumes from the
@@ -141,7 +152,7 @@ def load_checkpoint(checkpoint: Path, learner) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    weights = read_weights(checkpoint / "model")
+    weights = model_weights(checkpoint / "model")
     path = checkpoint / TRAINER_FILE
     try:
         blob = torch.load(path, weights_only=True)

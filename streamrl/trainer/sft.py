@@ -23,7 +23,7 @@ from streamrl.config.derived import AUDIO_TASKS, multimodal
 from streamrl.config.schema import Config
 from streamrl.data import arith, calculator, vision_tasks
 from streamrl.data.prompts import encode_prompt, encode_response
-from streamrl.models.loading import load_causal_lm, load_tokenizer
+from streamrl.models.loading import load_causal_lm, load_tokenizer, save_model
 from streamrl.models.tiny import build_tiny_model_dir
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def run_sft(model_dir: Path, cfg: Config, progress=None) -> None:
         pad_token_id=tokenizer.pad_token_id,
         advance=advance,
     )
-    model.save_pretrained(str(model_dir))
+    save_model(model, model_dir)
 
 
 def train_supervised(

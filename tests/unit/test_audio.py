@@ -23,13 +23,20 @@ from streamrl.media.cache import MediaCache
 from streamrl.media.load import MediaLimits, encode_wav
 from streamrl.media.prepare import MediaPreparer, bus_value, row_media
 from streamrl.media.refs import MediaRef, MultimodalPrompt
-from streamrl.models.loading import is_multimodal_dir, load_causal_lm
+from streamrl.models.loading import (
+    SPEAKERS_FILE,
+    is_multimodal_dir,
+    is_omni_dir,
+    load_causal_lm,
+    save_model,
+)
 from streamrl.models.processors import load_processor
-from streamrl.models.tiny_omni import SPEAKERS_FILE, build_tiny_omni_model_dir
+from streamrl.models.tiny_omni import build_tiny_omni_model_dir
 from streamrl.models.vision import placeholder_ids
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.rollout.decoder_runner import unsupported
 from streamrl.rollout.vision_prompts import prompt_inputs
+from streamrl.trainer.checkpoint import copy_model_files, model_weights, read_weights
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 
@@ -253,3 +260,24 @@ def test_audio_placeholders_without_features_are_refused(model, preparer) -> Non
     ids = torch.as_tensor(rows[0][F.PROMPT_IDS])
     with pytest.raises(ValueError, match="audio placeholder tokens but no audio input"):
         prompt_inputs(model, ids, None)
+
+
+def test_a_saved_thinker_is_an_omni_directory_that_loads_back(omni_dir, tmp_path) -> None:
+    """Checkpoints and the warm start save the thinker as the Omni directory it came from
+    (`thinker.*` weights, `thinker_config`), which vLLM reads (`test_vllm_audio.py` starts its
+    engine from one) and the roles load the thinker from again."""
+    model = load_causal_lm(omni_dir)
+    with torch.no_grad():
+        model.audio_tower.conv1.weight.add_(1.0)
+    out = tmp_path / "saved"
+    save_model(model, out)
+    copy_model_files(omni_dir, out)
+    assert is_omni_dir(out) and (out / SPEAKERS_FILE).is_file()
+    assert all(name.startswith("thinker.") for name in read_weights(out))
+    weights = model_weights(out)
+    own = model.state_dict()
+    assert set(weights) == set(own)
+    assert all(torch.equal(weights[name], own[name]) for name in own)
+    again = load_causal_lm(out)
+    assert torch.equal(again.audio_tower.conv1.weight, model.audio_tower.conv1.weight)
+    assert load_processor(out).feature_extractor.feature_size == 128

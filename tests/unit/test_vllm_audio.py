@@ -20,10 +20,11 @@ from streamrl.config.schema import VllmConfig
 from streamrl.media.cache import MediaCache
 from streamrl.media.load import MediaLimits
 from streamrl.media.prepare import MediaPreparer, row_media
-from streamrl.models.loading import load_causal_lm
+from streamrl.models.loading import load_causal_lm, save_model
 from streamrl.models.processors import load_processor
 from streamrl.models.tiny_omni import build_tiny_omni_model_dir
 from streamrl.models.vision import placeholder_ids
+from streamrl.trainer.checkpoint import copy_model_files
 from streamrl.trainer.logprobs import pack, response_logprobs
 from tests.unit.test_audio import audio_rows
 from tests.vllm_required import skip_module_without_vllm
@@ -50,14 +51,29 @@ def preparer(omni_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> MediaP
 
 
 @pytest.fixture(scope="module")
-def model(omni_dir: Path):
-    return load_causal_lm(omni_dir)
+def saved_dir(omni_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The thinker, changed, saved as checkpoints and the warm start save it: the engine starts
+    from this directory."""
+    thinker = load_causal_lm(omni_dir)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param in thinker.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    out = tmp_path_factory.mktemp("saved") / "model"
+    save_model(thinker, out)
+    copy_model_files(omni_dir, out)
+    return out
 
 
 @pytest.fixture(scope="module")
-def engine(omni_dir: Path, preparer: MediaPreparer):
+def model(saved_dir: Path):
+    return load_causal_lm(saved_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(saved_dir: Path, preparer: MediaPreparer):
     engine = VllmEngine(
-        omni_dir,
+        saved_dir,
         eos_token_id=preparer.processor.tokenizer.eos_token_id,
         config=VllmConfig(
             kv_cache_gib=0.25,
@@ -99,6 +115,14 @@ def gaps(model, requests, results) -> torch.Tensor:
 
 def reset(engine: VllmEngine, model) -> None:
     engine.load_weights(engine.version + 1, dict(model.named_parameters()))
+
+
+def test_the_engine_starts_from_a_saved_thinker(engine, model, requests) -> None:
+    """vLLM reads the directory `save_model` wrote (the Omni layout) with its weights."""
+    assert engine.version == 0
+    results = engine.generate(requests, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
+    gap = gaps(model, requests, results)
+    assert float(gap.mean()) <= MEAN_TOLERANCE, (float(gap.mean()), float(gap.max()))
 
 
 def test_audio_image_and_text_log_probs_are_the_trainers(engine, model, requests) -> None:
