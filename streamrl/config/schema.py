@@ -66,9 +66,9 @@ class ModelConfig(Section):
     (on Intel CPUs MKL is the faster one)."""
     freeze_vision: bool = False
     """Keep a vision-language policy's vision tower (Qwen-VL `model.visual`: patch embedding,
-    blocks, merger) fixed: only the language model trains, in one process and under FSDP2.
-    The engines still receive every weight at each sync. A policy without a vision tower is
-    refused (docs/multimodal.md)."""
+    blocks, merger) fixed, and an Omni thinker's audio tower with it: only the language model
+    trains, in one process and under FSDP2. The engines still receive every weight at each
+    sync. A policy without a vision tower is refused (docs/multimodal.md)."""
 
 
 class RolloutConfig(Section):

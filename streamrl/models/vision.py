@@ -59,15 +59,21 @@ def text_model(model):
 
 
 def freeze_vision(model) -> int:
-    """Keep the vision tower's parameters fixed (`model.freeze_vision`): `requires_grad` off, so
-    the optimizer, built afterwards, leaves them out and no gradient is computed for them.
-    Returns how many parameters were frozen; a model without a vision tower is an error."""
-    if not is_vision_language(model):
+    """Keep the vision tower's parameters fixed (`model.freeze_vision`), and an Omni thinker's
+    audio tower's too: `requires_grad` off, so the optimizer, built afterwards, leaves them out
+    and no gradient is computed for them. Returns how many parameters were frozen; a model
+    without a vision tower is an error."""
+    if is_omni_thinker(model):
+        towers = [model.visual, model.audio_tower]
+    elif is_vision_language(model):
+        towers = [model.model.visual]
+    else:
         raise ValueError(
             f"model.freeze_vision=true, but {type(model).__name__} has no vision tower: freezing "
-            "applies to a vision-language policy (Qwen2-VL, Qwen2.5-VL); set it to false"
+            "applies to a vision-language policy (Qwen2-VL, Qwen2.5-VL) or an Omni thinker; "
+            "set it to false"
         )
-    params = list(model.model.visual.parameters())
+    params = [param for tower in towers for param in tower.parameters()]
     for param in params:
         param.requires_grad_(False)
     return len(params)

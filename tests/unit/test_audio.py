@@ -32,7 +32,7 @@ from streamrl.models.loading import (
 )
 from streamrl.models.processors import load_processor
 from streamrl.models.tiny_omni import build_tiny_omni_model_dir
-from streamrl.models.vision import placeholder_ids
+from streamrl.models.vision import freeze_vision, placeholder_ids
 from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.rollout.decoder_runner import unsupported
 from streamrl.rollout.vision_prompts import prompt_inputs
@@ -281,3 +281,11 @@ def test_a_saved_thinker_is_an_omni_directory_that_loads_back(omni_dir, tmp_path
     again = load_causal_lm(out)
     assert torch.equal(again.audio_tower.conv1.weight, model.audio_tower.conv1.weight)
     assert load_processor(out).feature_extractor.feature_size == 128
+
+
+def test_freeze_vision_keeps_both_towers_of_the_thinker_fixed(omni_dir) -> None:
+    model = load_causal_lm(omni_dir)
+    frozen = freeze_vision(model)
+    towers = [*model.visual.parameters(), *model.audio_tower.parameters()]
+    assert frozen == len(towers) and not any(p.requires_grad for p in towers)
+    assert all(p.requires_grad for p in model.model.parameters())
