@@ -42,8 +42,8 @@ class WarmStartConfig(Section):
     """Motion task: fraction of the teacher's answers that name the direction opposite to the
     square's."""
     teacher_ear: float = Field(4.0, ge=1)
-    """Tones task: the teacher cannot tell apart two pitches less than this factor apart, and
-    then guesses (first or second, evenly)."""
+    """Tones task: two pitches less than this factor apart sound alike to the teacher, which
+    then names the first tone in 80% of its answers (the right one in the rest)."""
 
 
 class MediaConfig(Section):

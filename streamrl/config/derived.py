@@ -79,15 +79,6 @@ def multimodal(cfg: Config) -> bool:
     return any(key in model_config(cfg.model.path) for key in MULTIMODAL_CONFIG_KEYS)
 
 
-def audio_policy(cfg: Config) -> bool:
-    """Whether the policy is a Qwen2.5-Omni thinker: a `model.path` whose config is an Omni
-    model's (or the thinker's own, as the trainer saves it), or the built-in audio task's."""
-    if cfg.model.path is None:
-        return cfg.data.train_file is None and cfg.data.task in AUDIO_TASKS
-    config = model_config(cfg.model.path)
-    return "thinker_config" in config or "audio_config" in config
-
-
 def model_config(path) -> dict:
     """The model directory's config.json ({} when there is none, or it is not an object)."""
     import json

@@ -266,7 +266,7 @@ def warn_on_a_trained_model(cfg) -> None:
 def check_multimodal(cfg) -> None:
     """Refuse what a vision-language policy cannot do yet, before any work (docs/multimodal.md,
     "Not yet")."""
-    from streamrl.config.derived import audio_policy, multimodal
+    from streamrl.config.derived import multimodal
 
     if not multimodal(cfg):
         if cfg.model.freeze_vision:
@@ -284,10 +284,6 @@ def check_multimodal(cfg) -> None:
         "agent.enabled=true": cfg.agent.enabled,
         "algorithm.advantage.estimator=gae (a critic)": cfg.algorithm.advantage.estimator == "gae",
         "reward.judge.enabled=true": cfg.reward.judge.enabled,
-        # Every rank must run the towers alike (`trainer/fsdp_vision.py`); the audio tower's
-        # calls are not made uniform yet.
-        f"trainer.world_size={t.world_size} (an audio policy)": t.world_size > 1
-        and audio_policy(cfg),
     }
     named = [name for name, on in refused.items() if on]
     if named:

@@ -62,8 +62,8 @@ from torch.distributed.tensor import distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from streamrl.metrics.memory import process_peak_bytes
-from streamrl.models.loading import is_multimodal_dir
-from streamrl.models.vision import is_vision_language
+from streamrl.models.loading import is_multimodal_dir, is_omni_dir
+from streamrl.models.vision import is_multimodal
 from streamrl.trainer.fsdp_vision import one_vision_call
 from streamrl.trainer.learner import STAT_MEANS, Learner, routing_stat_keys
 from streamrl.trainer.safe_dcp import SafeLoadPlanner, SafeReader
@@ -89,12 +89,15 @@ def data_parallel_mesh(device: str = "cpu") -> DeviceMesh:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, each one FSDP all-gather unit: the modules whose class the
-    model names in `_no_split_modules` (e.g. `Qwen3DecoderLayer`; how HF causal LMs mark their
-    decoder layers; a Qwen-VL model names its vision blocks there too, `Qwen2_5_VLVisionBlock`),
-    or, for a model that names none, the children of its largest `ModuleList` (the decoder's
-    layer list in any decoder-only model)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    model, or any of its parts, names in `_no_split_modules` (e.g. `Qwen3DecoderLayer`; how HF
+    causal LMs mark their decoder layers; a Qwen-VL model names its vision blocks there too, and
+    an Omni thinker's audio and vision encoders name their own layers) and that hold no other
+    such module (an Omni thinker names its whole encoders), or, for a model that names none,
+    the children of its largest `ModuleList` (the decoder's layer list in any decoder-only
+    model)."""
+    names = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+    marked = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in marked if not _holds_marked(m, names)]
     if layers:
         return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
@@ -105,6 +108,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             "model whose layers it can shard one by one"
         )
     return list(max(lists, key=len))
+
+
+def _holds_marked(module: nn.Module, names: set[str]) -> bool:
+    return any(type(sub).__name__ in names for sub in module.modules() if sub is not module)
 
 
 def shard_model(
@@ -128,7 +135,7 @@ def shard_model(
     layer's gathered parameters after its forward (ZeRO-3); False keeps them until backward
     (ZeRO-2 like: more memory, one all-gather fewer per layer)."""
     layers = decoder_layers(model)
-    if is_vision_language(model):  # vision blocks are units too: every rank runs the tower
+    if is_multimodal(model):  # tower blocks are units too: every rank runs each tower once
         one_vision_call(model)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -151,14 +158,17 @@ def shard_model(
 def empty_causal_lm(model_dir: str | Path, *, dtype: str = "float32") -> nn.Module:
     """The causal LM of `model_dir` built on the meta device from its config.json: the right
     modules, shapes, dtypes and tied weights, and no storage; nothing but the config is read.
-    A vision-language model (Qwen-VL) is built by its own auto class, as `load_causal_lm`
-    loads it, so both have the same parameter names."""
+    A vision-language model (Qwen-VL) is built by its own auto class, and a Qwen2.5-Omni
+    directory's thinker from the thinker's config, as `load_causal_lm` loads them, so both have
+    the same parameter names."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     auto = AutoModelForCausalLM
     if is_multimodal_dir(model_dir):
         from transformers import AutoModelForImageTextToText as auto
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    if is_omni_dir(model_dir):
+        config = config.thinker_config
     with torch.device("meta"):
         model = auto.from_config(config, dtype=getattr(torch, dtype))
     model.eval()

@@ -1,5 +1,5 @@
-"""The vision tower of a vision-language policy under FSDP2: one tower call per forward, on
-every rank.
+"""The vision tower of a vision-language policy (and an Omni thinker's audio tower) under FSDP2:
+one call of each tower per forward, on every rank.
 
 Each vision block is an FSDP unit (`fsdp.decoder_layers`), so every forward all-gathers it and
 every backward reduce-scatters its gradient, and those collectives pair up across ranks only if
@@ -17,6 +17,10 @@ The tower processes each image or video on its own (attention within each item o
 call over both gives the features two calls would, to float rounding. The blank image's zero
 term changes no logit and adds an exact zero to the tower's gradient; it exists so the
 collectives of this rank's forward and backward line up with its peers'.
+
+An Omni thinker's forward runs its audio tower once when the batch has audio and not at all
+otherwise; a rank without audio runs it on a blank clip (`BLANK_FRAMES` silent log-mel
+frames) the same way. The hook sits on the thinker itself, whose forward takes the media.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+BLANK_FRAMES = 8  # the blank clip's log-mel frames: 1 audio token after the tower's strides
+
 
 def one_vision_call(model: nn.Module) -> None:
-    """Install the one-call rule (module docstring) on the Qwen-VL `model` (once)."""
-    inner = model.model
+    """Install the one-call rule (module docstring) on the Qwen-VL or Omni thinker `model`
+    (once)."""
+    inner = model if hasattr(model, "audio_tower") else model.model
     if getattr(inner, "_streamrl_one_vision_call", False):
         return
     inner.register_forward_pre_hook(_run_tower_once, with_kwargs=True)
@@ -40,8 +47,8 @@ def one_vision_call(model: nn.Module) -> None:
 def _run_tower_once(
     inner: nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any]] | None:
-    """The forward pre-hook of the Qwen-VL base model: runs the tower and hands its features to
-    the forward in place of the pixels."""
+    """The forward pre-hook of the Qwen-VL base model (or the Omni thinker): runs the tower and
+    hands its features to the forward in place of the pixels."""
     if args or kwargs.get("mm_encoder_outputs") is not None:
         raise TypeError(
             "under FSDP2 the Qwen-VL model must be called with keyword arguments and pixels, as "
@@ -57,11 +64,8 @@ def _run_tower_once(
         if kwargs.get(pixels) is not None
     ]
     if not kinds:
-        features = visual(*_blank_image(visual)).pooler_output
-        embeds = kwargs.get("inputs_embeds")
-        if embeds is None:
-            embeds = inner.get_input_embeddings()(kwargs["input_ids"])
-        kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+        _add_zero(inner, kwargs, visual(*_blank_image(visual)).pooler_output)
+        _blank_audio(inner, kwargs)
         return args, kwargs
     pixels = torch.cat([p.type(visual.dtype) for _, p, _ in kinds])
     grids = torch.cat([g for _, _, g in kinds])
@@ -73,7 +77,31 @@ def _run_tower_once(
         start += len(grid)
         outputs[kind] = BaseModelOutputWithPooling(pooler_output=items)
     kwargs.update(pixel_values=None, pixel_values_videos=None, mm_encoder_outputs=outputs)
+    _blank_audio(inner, kwargs)
     return args, kwargs
+
+
+def _blank_audio(inner: nn.Module, kwargs: dict[str, Any]) -> None:
+    """An Omni thinker's audio tower on a blank clip when the batch has no audio, after the
+    vision tower as the forward runs it on audio: the ranks' calls come in one order."""
+    if not hasattr(inner, "audio_tower") or kwargs.get("input_features") is not None:
+        return
+    audio = inner.audio_tower
+    features = torch.zeros(
+        (1, audio.config.num_mel_bins, BLANK_FRAMES), dtype=audio.dtype, device=audio.device
+    )
+    mask = torch.ones((1, BLANK_FRAMES), dtype=torch.long, device=audio.device)
+    blank = inner.get_audio_features(features, mask, return_dict=True).last_hidden_state
+    _add_zero(inner, kwargs, blank)
+
+
+def _add_zero(inner: nn.Module, kwargs: dict[str, Any], features: torch.Tensor) -> None:
+    """Add 0 x the features' sum to the forward's input embeddings: no logit changes, and the
+    tower's parameters get an exact zero gradient (their reduce-scatter happens)."""
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        embeds = inner.get_input_embeddings()(kwargs["input_ids"])
+    kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
 
 
 def _blank_image(visual: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

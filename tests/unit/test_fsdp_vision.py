@@ -32,6 +32,7 @@ from streamrl.media.prepare import MediaPreparer, bus_value
 from streamrl.models.loading import load_causal_lm, load_tokenizer
 from streamrl.models.processors import load_processor
 from streamrl.models.tiny import build_tiny_model_dir
+from streamrl.models.tiny_omni import build_tiny_omni_model_dir
 from streamrl.models.tiny_vl import build_tiny_vl_model_dir
 from streamrl.models.vision import freeze_vision
 from streamrl.runtime.preflight import check_multimodal
@@ -48,6 +49,7 @@ from streamrl.trainer.ranks import (
 )
 from streamrl.trainer.role import make_learner
 from tests.distributed import free_port
+from tests.unit.test_audio import audio_rows
 from tests.unit.test_vision_roles import _prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -224,3 +226,47 @@ def test_freeze_vision_is_refused_for_a_text_policy(tmp_path) -> None:
     check_multimodal(load_config([f"model.path={text_dir}"]))  # off: nothing to refuse
     with pytest.raises(ValueError, match="no vision tower"):
         freeze_vision(load_causal_lm(text_dir))
+
+
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory) -> Path:
+    return build_tiny_omni_model_dir(tmp_path_factory.mktemp("omni") / "model", seed=3)
+
+
+@pytest.fixture(scope="module")
+def omni_batches(omni_dir, tmp_path_factory) -> list[list[dict[str, Any]]]:
+    """Two accumulate calls: audio, audio-and-image and text rows, then one text row alone."""
+    store = MediaCache(tmp_path_factory.mktemp("omni-media"))
+    preparer = MediaPreparer(load_processor(omni_dir), store, MediaLimits())
+    rows = audio_rows(preparer)
+    rng = np.random.default_rng(1)
+    for row, advantage in zip(rows, [0.7, -1.2, 0.5, 1.1], strict=True):
+        num = int(rng.integers(2, 6))
+        row.update(
+            response_ids=rng.integers(5, 40, size=num).tolist(),
+            rollout_logprobs=rng.uniform(-4.0, -3.5, size=num).tolist(),
+            advantages=advantage,
+        )
+    return [rows[:2] + rows[3:] + rows[2:3], [dict(rows[3], advantages=-0.8)]]
+
+
+def test_an_omni_thinkers_encoder_layers_are_fsdp_units(omni_dir) -> None:
+    model = load_causal_lm(omni_dir)
+    units = [*model.model.layers, *model.visual.blocks, *model.audio_tower.layers]
+    assert sorted(map(id, decoder_layers(model))) == sorted(map(id, units))
+
+
+def test_two_ranks_train_an_audio_batch_like_one_process(omni_dir, omni_batches, tmp_path) -> None:
+    """Rank 1's share of the second call is empty: it runs both towers on blanks."""
+    initial, expected, expected_weights = one_process(omni_dir, omni_batches, freeze=False)
+    audio = [n for n in initial if n.startswith("audio_tower.")]
+    assert any(not torch.equal(initial[n], expected_weights[n]) for n in audio)  # it trains
+    pad = load_tokenizer(omni_dir).pad_token_id
+    args = (str(omni_dir), free_port(), str(tmp_path), omni_batches, pad)
+    mp.spawn(rank_main, args=args, nprocs=2)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    for rank in (rank0, rank1):
+        assert rank[False][0] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert_close(rank0[False][1], expected_weights)
+    _, after_frozen = rank0[True]
+    assert all(torch.equal(initial[n], after_frozen[n]) for n in audio)  # freeze_vision

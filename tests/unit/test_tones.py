@@ -6,13 +6,11 @@ import random
 from collections import Counter
 
 import numpy as np
-import pytest
 
-from streamrl.config.derived import audio_policy, multimodal
-from streamrl.config.loader import ConfigError, load_config
+from streamrl.config.derived import multimodal
+from streamrl.config.loader import load_config
 from streamrl.data import tones, vision_tasks
 from streamrl.media.load import MediaLimits, load_media
-from streamrl.runtime.preflight import check_multimodal
 
 
 def _loudest_frequency(samples: np.ndarray) -> float:
@@ -51,15 +49,18 @@ def test_a_clip_reaches_the_model_as_one_second_of_16_khz_audio():
     assert np.abs(samples - problem.problem.samples()).max() < 1e-4  # 16-bit rounding
 
 
-def test_the_teacher_hears_far_apart_pitches_and_guesses_on_close_ones():
+def test_the_teacher_hears_far_apart_pitches_and_mostly_says_first_on_close_ones():
     pairs = tones.sample_pairs(400, seed=0, split="train")
     far = [p for p in pairs if tones.ratio(p) >= 4.0]
     close = [p for p in pairs if tones.ratio(p) < 4.0]
-    assert 0.4 < len(close) / len(pairs) < 0.7  # about half the clips are the teacher's guesses
+    assert 0.4 < len(close) / len(pairs) < 0.7  # about half the clips sound alike to it
     rng = random.Random(0)
     assert all(tones.teacher_solution(p, rng, 4.0) == f"higher:{p.answer}" for p in far)
-    right = [tones.teacher_solution(p, rng, 4.0) == f"higher:{p.answer}" for p in close * 5]
-    assert abs(sum(right) / len(right) - 0.5) < 0.05
+    answers = [tones.teacher_solution(p, rng, 4.0) for p in close * 5]
+    firsts = sum(a == "higher:first" for a in answers) / len(answers)
+    seconds = [p for p in close * 5 if p.answer == "second"]
+    # On close pairs it says `first` 80% of the time plus the right answer when that is first.
+    assert abs(firsts - (0.8 + 0.2 * (len(close) * 5 - len(seconds)) / len(answers))) < 0.04
     # A perfect ear (1.0) always answers right.
     assert all(tones.teacher_solution(p, rng, 1.0) == f"higher:{p.answer}" for p in close)
 
@@ -68,14 +69,3 @@ def test_the_tones_task_runs_on_the_omni_thinker_and_its_own_rule():
     cfg = load_config(["data.task=tones"])
     assert cfg.reward.function == "streamrl.reward.rule:final_word_match"
     assert multimodal(cfg)
-
-
-def test_an_audio_policy_on_fsdp_ranks_is_refused_before_the_run():
-    """Every FSDP2 rank must run the towers alike; the audio tower's calls are not made uniform
-    yet, so two ranks with different audio would wait on each other: refused up front."""
-    cfg = load_config(["data.task=tones", "trainer.world_size=2"])
-    assert audio_policy(cfg) and not audio_policy(load_config(["data.task=shapes"]))
-    with pytest.raises(ConfigError, match=r"trainer.world_size=2 \(an audio policy\)"):
-        check_multimodal(cfg)
-    check_multimodal(load_config(["data.task=tones"]))
-    check_multimodal(load_config(["data.task=shapes", "trainer.world_size=2"]))
