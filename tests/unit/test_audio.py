@@ -38,6 +38,7 @@ from streamrl.rollout.decoder_runner import unsupported
 from streamrl.rollout.vision_prompts import prompt_inputs
 from streamrl.trainer.checkpoint import copy_model_files, model_weights, read_weights
 from streamrl.trainer.logprobs import pack, response_logprobs
+from tests.unit.test_vision_roles import generate_across_update, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -203,14 +204,7 @@ def _engine_requests(rows) -> list[GenerationRequest]:
 
 def _gaps(model, requests, results, pad_token_id, versions=None) -> list[float]:
     """Per row, the largest |engine - trainer| log-prob over its tokens (of `versions`)."""
-    batch = pack(
-        [r.prompt_ids for r in requests],
-        [res.response_ids for res in results],
-        pad_token_id,
-        media=[r.media for r in requests],
-    )
-    with torch.no_grad():
-        trained = response_logprobs(model, batch)
+    trained = trainer_logprobs(model, requests, results, pad_token_id)
     gaps = []
     for i, res in enumerate(results):
         keep = [k for k, v in enumerate(res.versions) if versions is None or v in versions]
@@ -235,21 +229,7 @@ def test_builtin_engine_and_trainer_agree_on_audio(omni_dir, preparer) -> None:
     gaps = _gaps(model, requests, results, tokenizer.pad_token_id)
     assert max(gaps) <= 1e-5, gaps
 
-    torch.manual_seed(0)
-    new = {
-        name: p.detach() + 0.05 * torch.randn_like(p)
-        for name, p in model.named_parameters()
-        if "audio_tower" in name or "layers.0" in name  # the audio tower changes too
-    }
-    calls = {"n": 0}
-
-    def poll():
-        calls["n"] += 1
-        return (1, new) if calls["n"] == 4 else None
-
-    results = engine.generate(
-        requests, SamplingParams(max_new_tokens=8, temperature=1.0, seed=2), weight_poll=poll
-    )
+    results = generate_across_update(engine, requests, model, "audio_tower", max_new_tokens=8)
     assert engine.version == 1 and any(0 in r.versions and 1 in r.versions for r in results)
     gaps = _gaps(model, requests, results, tokenizer.pad_token_id, versions={1})
     assert max(gaps) <= 1e-5, gaps

@@ -102,7 +102,8 @@ def _requests(preparer, prompts, tokenizer) -> list[GenerationRequest]:
     ]
 
 
-def _trainer_logprobs(model, requests, results, pad_token_id):
+def trainer_logprobs(model, requests, results, pad_token_id):
+    """The trainer's log-probs [B, R] of the engine's `results` for `requests`."""
     batch = pack(
         [r.prompt_ids for r in requests],
         [res.response_ids for res in results],
@@ -135,34 +136,39 @@ def test_engine_and_trainer_agree_for_image_video_and_text(vl_dir, preparer, tmp
     results = engine.generate(requests, params)
     placeholders = {model.config.image_token_id, model.config.video_token_id}
     assert all(not placeholders & set(r.response_ids) for r in results)
-    gaps = _gap(_trainer_logprobs(model, requests, results, tokenizer.pad_token_id), results)
+    gaps = _gap(trainer_logprobs(model, requests, results, tokenizer.pad_token_id), results)
     assert max(gaps) <= 1e-5, gaps
 
 
-def test_agreement_holds_across_an_in_flight_weight_update(vl_dir, preparer, tmp_path):
-    model = load_causal_lm(vl_dir)
-    tokenizer = preparer.processor.tokenizer
-    requests = _requests(preparer, _prompts(tmp_path), tokenizer)
+def generate_across_update(engine, requests, model, tower: str, *, max_new_tokens: int):
+    """Sample with a weight update in flight (at the engine's 4th poll, version 1): the
+    parameters of `tower` (which must change too) and of layer 0, each moved by noise."""
     torch.manual_seed(0)
     new = {
         name: p.detach() + 0.05 * torch.randn_like(p)
         for name, p in model.named_parameters()
-        if "visual" in name or "layers.0" in name  # the vision tower changes too
+        if tower in name or "layers.0" in name
     }
-    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     calls = {"n": 0}
 
     def poll():
         calls["n"] += 1
         return (1, new) if calls["n"] == 4 else None
 
-    results = engine.generate(
-        requests, SamplingParams(max_new_tokens=10, temperature=1.0, seed=2), weight_poll=poll
-    )
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=2)
+    return engine.generate(requests, params, weight_poll=poll)
+
+
+def test_agreement_holds_across_an_in_flight_weight_update(vl_dir, preparer, tmp_path):
+    model = load_causal_lm(vl_dir)
+    tokenizer = preparer.processor.tokenizer
+    requests = _requests(preparer, _prompts(tmp_path), tokenizer)
+    engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    results = generate_across_update(engine, requests, model, "visual", max_new_tokens=10)
     assert engine.version == 1 and any(0 in r.versions and 1 in r.versions for r in results)
     # The tokens after the update are those of the new weights, computed over a cache the new
     # weights recomputed (prompt images included): the trainer on the new weights agrees there.
-    trained = _trainer_logprobs(model, requests, results, tokenizer.pad_token_id)
+    trained = trainer_logprobs(model, requests, results, tokenizer.pad_token_id)
     for i, res in enumerate(results):
         after = [k for k, v in enumerate(res.versions) if v == 1]
         gap = (trained[i, after] - torch.tensor(res.logprobs)[after]).abs().max()
