@@ -132,6 +132,7 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
                 "token): audio prompts need an audio policy, such as a Qwen2.5-Omni model",
             )
         kwargs["sampling_rate"] = limits.audio_rate
+        kwargs.update(_short_audio_padding(processor, kwargs["audio"]))
     if "videos" in kwargs:  # the real frame rate times the video's positions
         kwargs["video_metadata"] = [
             {"fps": video_fps(ref, limits), "total_num_frames": len(medium)}
@@ -155,6 +156,19 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
     for i, (medium, ref) in enumerate(zip(decoded, prompt.media, strict=True)):
         entry[f"{MEDIA_PREFIX}{i}.{ref.kind}"] = torch.from_numpy(np.array(medium))
     return entry
+
+
+def _short_audio_padding(processor, clips) -> dict[str, Any]:
+    """Keyword arguments that let a Whisper feature extractor pad the clips to the longest one
+    plus one STFT window instead of to its 30 s: the frames of the clips come out bit for bit
+    the same (their windows see the same zeros past the end, and the log-mel floor comes from
+    the loudest frame), at a tenth of the cost for a 1 s clip."""
+    extractor = getattr(processor, "feature_extractor", None)
+    if not all(hasattr(extractor, a) for a in ("n_fft", "hop_length", "n_samples")):
+        return {}
+    hop = extractor.hop_length
+    longest = max(len(clip) for clip in clips) + extractor.n_fft + hop
+    return {"audio_kwargs": {"max_length": min(extractor.n_samples, -(-longest // hop) * hop)}}
 
 
 def load_prepared(cache: MediaCache, key: str) -> tuple[dict[str, torch.Tensor], list]:

@@ -21,7 +21,7 @@ from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.media.cache import MediaCache
 from streamrl.media.load import MediaLimits, encode_wav
-from streamrl.media.prepare import MediaPreparer, bus_value, row_media
+from streamrl.media.prepare import MediaPreparer, _short_audio_padding, bus_value, row_media
 from streamrl.media.refs import MediaRef, MultimodalPrompt
 from streamrl.models.loading import (
     SPEAKERS_FILE,
@@ -269,3 +269,29 @@ def test_freeze_vision_keeps_both_towers_of_the_thinker_fixed(omni_dir) -> None:
     towers = [*model.visual.parameters(), *model.audio_tower.parameters()]
     assert frozen == len(towers) and not any(p.requires_grad for p in towers)
     assert all(p.requires_grad for p in model.model.parameters())
+
+
+def test_features_are_the_30_second_padded_ones_without_their_cost(preparer) -> None:
+    """The feeder pads clips to the longest plus one STFT window, not to 30 s: every real frame
+    is bit for bit what the processor's default gives (and what vLLM computes from the clip)."""
+    processor = preparer.processor
+    clips = [np.sin(np.arange(n) * 0.07).astype(np.float32) * 0.3 for n in (16000, 36801, 20013)]
+    parts = [{"type": "audio"}] * 3 + [{"type": "text", "text": "Which?"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    full = processor(text=[text], audio=clips, sampling_rate=16000, return_tensors="pt")
+    short = processor(
+        text=[text],
+        audio=clips,
+        sampling_rate=16000,
+        return_tensors="pt",
+        **_short_audio_padding(processor, clips),
+    )
+    assert full["input_features"].shape[-1] == 3000 and short["input_features"].shape[-1] < 400
+    assert torch.equal(full["input_ids"], short["input_ids"])
+    for i, frames in enumerate(full["feature_attention_mask"].sum(-1).tolist()):
+        assert short["feature_attention_mask"][i].sum() == frames
+        assert torch.equal(
+            short["input_features"][i, :, :frames], full["input_features"][i, :, :frames]
+        )
