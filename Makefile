@@ -43,7 +43,7 @@ test: $(VLLM_STAMP)
 	$(BIN)/ruff check streamrl tests benchmarks
 	$(BIN)/lint-imports
 	STREAMRL_REQUIRE_VLLM=1 $(BIN)/pytest -q -p no:cacheprovider --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+		-n $(TEST_WORKERS) --dist worksteal tests
 
 ## Only the vLLM engine's tests (unit and integration; part of `make test`).
 test-vllm: $(VLLM_STAMP)

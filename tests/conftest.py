@@ -48,13 +48,10 @@ settings.register_profile("streamrl", deadline=None)
 settings.load_profile("streamrl")
 
 # The longest test files, longest first (CI's `--durations` on a slow 2-core machine: each of
-# these holds a test of 100-900 s, most of them whole training jobs). They run before everything
-# else: the suite ends when its last long test ends. `make test` hands whole files to the two
-# xdist workers in this order as each one frees up (`--dist loadfile --no-loadscope-reorder`),
-# so the long files alternate between the workers and the short ones fill in at the end.
-# (`--dist worksteal` split the ordered list in two halves, which put every long test on the
-# first worker, one after the other: 47 of CI's 53 minutes.) A new learning test of minutes
-# belongs here.
+# these holds a test of 100-750 s, most of them whole training jobs). They run before everything
+# else: with two xdist workers the suite ends when its last long test ends, and a worker that
+# runs out of work steals from the end of the other's queue, so the short tests fill in at the
+# end instead of one long test running alone there. A new learning test of minutes belongs here.
 LONGEST_FIRST = (
     "integration/test_judge_demo.py",
     "integration/test_agent_calculator.py",
