@@ -90,8 +90,10 @@ def save_model(model, out_dir: str | Path) -> None:
     without speech output (config `thinker_config`, weights `thinker.*`, an empty speaker
     table), the layout vLLM reads and `load_causal_lm` loads the thinker from, like the
     directory the run started from."""
+    from streamrl.models.vision import is_omni_thinker
+
     model.save_pretrained(str(out_dir))
-    if type(model).__name__ != "Qwen2_5OmniThinkerForConditionalGeneration":
+    if not is_omni_thinker(model):
         return
     import torch
     from safetensors.torch import load_file, save_file

@@ -52,6 +52,12 @@ def is_multimodal(model) -> bool:
     return is_vision_language(model) or is_omni_thinker(model)
 
 
+def tower_owner(model):
+    """The module that holds a multimodal model's towers and their `get_*_features` methods:
+    an Omni thinker itself, a Qwen-VL model's inner `model.model`."""
+    return model if is_omni_thinker(model) else model.model
+
+
 def text_model(model):
     """The decoder stack (`layers`, `embed_tokens`, `norm`, `rotary_emb`) of a causal LM or of
     a multimodal model's language model."""

@@ -8,8 +8,8 @@ step, no Python work per sequence. Mixture-of-experts layers (Qwen3-MoE) route w
 In fp32 the norms and the attention scale are folded into the projections; below fp32 the
 runner keeps transformers' order of operations (`_LayerWeights`). Qwen-VL models and the
 Qwen2.5-Omni thinker run their language model here too, with prompts' embeddings and 3-D
-positions from their vision and audio towers (`streamrl.rollout.vision_prompts`). `rollout/builtin_engine.py` drives it: slots, sampling and
-results.
+positions from their vision and audio towers (`streamrl.rollout.vision_prompts`).
+`rollout/builtin_engine.py` drives it: slots, sampling and results.
 """
 
 from __future__ import annotations

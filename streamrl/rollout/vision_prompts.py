@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from streamrl.models.vision import is_omni_thinker, text_model
+from streamrl.models.vision import is_omni_thinker, text_model, tower_owner
 from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids
 
 
@@ -52,7 +52,7 @@ def prompt_inputs(model, ids: torch.Tensor, media: Mapping[str, Any] | None) -> 
     """The embeddings and positions of prompt `ids` (1-D) with its processor tensors `media`
     (None or empty: a text prompt, whose positions are 0 .. len - 1)."""
     omni = is_omni_thinker(model)
-    owner = model if omni else model.model  # where the towers' feature methods are
+    owner = tower_owner(model)
     embeds = text_model(model).embed_tokens(ids)
     media = media or {}
     config = model.config

@@ -31,13 +31,15 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from streamrl.models.vision import tower_owner
+
 BLANK_FRAMES = 8  # the blank clip's log-mel frames: 1 audio token after the tower's strides
 
 
 def one_vision_call(model: nn.Module) -> None:
     """Install the one-call rule (module docstring) on the Qwen-VL or Omni thinker `model`
     (once)."""
-    inner = model if hasattr(model, "audio_tower") else model.model
+    inner = tower_owner(model)
     if getattr(inner, "_streamrl_one_vision_call", False):
         return
     inner.register_forward_pre_hook(_run_tower_once, with_kwargs=True)
