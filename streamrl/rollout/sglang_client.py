@@ -205,6 +205,8 @@ class WeightGroup:
 
         import torch.distributed as dist
 
+        from streamrl.weights.collective import release_at_exit
+
         timeout = timedelta(seconds=self.timeout_s)
         store = dist.PrefixStore(self.name, self.store)
         store = dist.PrefixStore(f"{self.name}/", store)
@@ -243,6 +245,11 @@ class WeightGroup:
                 f"{self.timeout_s:g} s; can it reach this process? ({errors[0]})"
             ) from errors[0]
         self.pg = made[0]
+        release_at_exit(self)
+
+    def release(self) -> None:
+        """Destroy this end of the group now, not during interpreter shutdown."""
+        self.pg = None
 
     def broadcast(self, tensor: Any) -> Any:
         import torch.distributed as dist

@@ -23,10 +23,12 @@ has the bytes, so receivers must be receiving (`receive()`, or `start()` for a b
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from datetime import timedelta
@@ -57,6 +59,23 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+_OPEN_GROUPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_at_exit(group: object) -> None:
+    """Have `group.release()` (which destroys its process group) run at interpreter exit unless
+    it ran before. A gloo group destroyed during interpreter finalization can free tensors from
+    its worker threads with no interpreter left, and the process aborts ("terminate called
+    without an active exception") after its work is done."""
+    _OPEN_GROUPS.add(group)
+
+
+@atexit.register
+def _release_open_groups() -> None:
+    for group in list(_OPEN_GROUPS):
+        group.release()
+
+
 class _Group:
     """Store + process group + the device its buffers live on, for one rank."""
 
@@ -85,6 +104,7 @@ class _Group:
         self.rank, self.world_size = rank, world_size
         timeout = timedelta(seconds=timeout_s)
         self.server: StoreServer | None = None
+        self.pg: dist.ProcessGroup | None = None
         self.store: LocalStore | RemoteStore
         if rank == 0:
             self.server = store or StoreServer(
@@ -125,10 +145,13 @@ class _Group:
                 f"within {timeout_s:g} s: start the sender (rank 0) and all {world_size - 1} "
                 f"engine ranks with the same init_method and world_size{why} ({e})"
             ) from e
+        release_at_exit(self)
 
     def close(self, linger_s: float = 0.0) -> None:
-        """Drop this rank's end of the store: the sender stops serving it (after `linger_s`, in
-        the background, so receivers can still read its last keys), a receiver disconnects."""
+        """Leave the process group and drop this rank's end of the store: the sender stops
+        serving it (after `linger_s`, in the background, so receivers can still read its last
+        keys), a receiver disconnects."""
+        self.release()
         if self.server is not None:
             if linger_s > 0:
                 timer = threading.Timer(linger_s, self.server.close)
@@ -139,8 +162,16 @@ class _Group:
         elif isinstance(self.store, RemoteStore):
             self.store.close()
 
+    def release(self) -> None:
+        """Destroy the process group now (joining its worker threads), not whenever the last
+        reference goes, which may be during interpreter shutdown."""
+        self.pg = None
+        _OPEN_GROUPS.discard(self)
+
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         """Start broadcasting `tensor` from rank 0 (bytes, so every dtype works on every backend)."""
+        if self.pg is None:
+            raise RuntimeError("the weight-sync group was closed")
         options = dist.BroadcastOptions()
         options.rootRank = 0
         return self.pg.broadcast([tensor.view(torch.uint8)], options)

@@ -193,12 +193,13 @@ class AuthenticatedServer(abc.ABC):
     def close(self) -> None:
         """Stop listening and drop every client connection."""
         self._closed = True
-        _shutdown(self._listener)
+        _wake(self._listener)
         self._accept_thread.join()
+        self._listener.close()
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
-            _shutdown(conn)
+            _wake(conn)  # its serving thread closes it: closing here races that thread's use
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -242,7 +243,7 @@ class AuthenticatedServer(abc.ABC):
             with conn:
                 if self._handshake(conn, peer):
                     self._serve_requests(conn)
-        except (ConnectionError, TimeoutError) as e:
+        except OSError as e:  # ConnectionError, TimeoutError, or a socket shut down by close()
             if not self._closed:
                 log.info("client %s of %s disconnected: %s", peer, type(self).__name__, e)
         finally:
@@ -388,13 +389,14 @@ class TcpWeightServer(AuthenticatedServer):
             conn.sendall(memoryview(blob.numpy()))
 
 
-def _shutdown(sock: socket.socket) -> None:
-    """Wake any thread blocked on `sock` (close alone does not wake `accept` on Linux)."""
+def _wake(sock: socket.socket) -> None:
+    """Wake any thread blocked on `sock` (close alone does not wake `accept` on Linux). The
+    thread that uses it closes it: closing it here could hand its descriptor number to another
+    socket while that thread still reads from it."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already disconnected: nothing left to wake
-    sock.close()
 
 
 def _receive_blob(sock: socket.socket, nbytes: int, what: str) -> dict[str, torch.Tensor]:
