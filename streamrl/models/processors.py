@@ -51,6 +51,11 @@ from transformers.video_utils import VideoMetadata, make_batched_videos
 PATCH_SIZE = 14
 TEMPORAL_PATCH_SIZE = 2
 MERGE_SIZE = 2
+# Per processor family: (patch size, the mean and std of every channel; None: CLIP's).
+PROCESSOR_FAMILIES: dict[str, tuple[int, float | None]] = {
+    "qwen2_5_vl": (14, None),
+    "qwen3_vl": (16, 0.5),
+}
 QWEN_VL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _VLLM_SHIMS_INSTALLED = False
 # The per-call settings that fall back to the instance's (besides `size`).
@@ -272,8 +277,8 @@ def _edges(size: Any) -> dict[str, int]:
 
 
 def _metadata(given: Any, videos: list[np.ndarray]) -> list[VideoMetadata]:
-    """One `VideoMetadata` per video: the given ones (dicts or objects), else fps 24 with
-    every frame sampled."""
+    """One `VideoMetadata` per video: the given ones (dicts or objects), else fps 24; every
+    frame is a sampled one unless `frames_indices` say otherwise."""
     if given is None:
         given = [None] * len(videos)
     elif isinstance(given, (dict, VideoMetadata)):
@@ -286,6 +291,8 @@ def _metadata(given: Any, videos: list[np.ndarray]) -> list[VideoMetadata]:
             meta = {"total_num_frames": len(video), "fps": 24.0}
         if isinstance(meta, dict):
             meta = VideoMetadata(**{k: v for k, v in meta.items() if k != "do_sample_frames"})
+        if meta.frames_indices is None:  # every frame is used (Qwen3-VL times each from these)
+            meta.frames_indices = list(range(len(video)))
         out.append(meta)
     return out
 
@@ -296,7 +303,7 @@ def install_transformers_shims() -> None:
     if is_torchvision_available():
         return
     import transformers
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
     from transformers.models.auto.video_processing_auto import (
         VIDEO_PROCESSOR_MAPPING,
         AutoVideoProcessor,
@@ -304,13 +311,14 @@ def install_transformers_shims() -> None:
 
     if "VideoProcessorMixin" not in vars(transformers):
         transformers.VideoProcessorMixin = VideoProcessorMixin
-    registered = VIDEO_PROCESSOR_MAPPING._extra_content.get(Qwen2_5_VLConfig) or {}
-    if registered.get("torchvision") is not NumpyQwen2VLVideoProcessor:
-        AutoVideoProcessor.register(
-            Qwen2_5_VLConfig,
-            video_processor_classes={"torchvision": NumpyQwen2VLVideoProcessor},
-            exist_ok=True,
-        )
+    for config_class in (Qwen2_5_VLConfig, Qwen3VLConfig):
+        registered = VIDEO_PROCESSOR_MAPPING._extra_content.get(config_class) or {}
+        if registered.get("torchvision") is not NumpyQwen2VLVideoProcessor:
+            AutoVideoProcessor.register(
+                config_class,
+                video_processor_classes={"torchvision": NumpyQwen2VLVideoProcessor},
+                exist_ok=True,
+            )
 
 
 def install_vllm_shims() -> None:
@@ -347,18 +355,28 @@ def install_vllm_shims() -> None:
     globals()["_VLLM_SHIMS_INSTALLED"] = True
 
 
-def vision_processors(min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
+def vision_processors(
+    min_pixels: int, max_pixels: int, *, patch_size: int = PATCH_SIZE, mean_std: float | None = None
+) -> tuple[Any, Any]:
     """(image processor, video processor) of the tiny models: the PIL image processor and the
-    numpy video processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
+    numpy video processor, both resizing to [min_pixels, max_pixels] with the same patch size
+    and mean/std (`mean_std`: that value for every channel's mean and std, as Qwen3-VL's 0.5;
+    None: CLIP's, as Qwen2.5-VL's)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     install_transformers_shims()
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    normalise = (
+        {} if mean_std is None else {"image_mean": [mean_std] * 3, "image_std": [mean_std] * 3}
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, **normalise
+    )
     video_processor = NumpyQwen2VLVideoProcessor(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
+        patch_size=patch_size,
         image_mean=list(image_processor.image_mean),
         image_std=list(image_processor.image_std),
     )
@@ -366,14 +384,26 @@ def vision_processors(min_pixels: int, max_pixels: int) -> tuple[Any, Any]:
 
 
 def build_processor(
-    tokenizer: Any, *, min_pixels: int, max_pixels: int, chat_template: str | None = None
-):  # -> transformers.Qwen2_5_VLProcessor
-    """A Qwen2.5-VL processor around `tokenizer`: the PIL image processor and the numpy video
-    processor, both resizing to [min_pixels, max_pixels] with the same mean/std."""
-    from transformers import Qwen2_5_VLProcessor
+    tokenizer: Any,
+    *,
+    min_pixels: int,
+    max_pixels: int,
+    chat_template: str | None = None,
+    family: str = "qwen2_5_vl",
+):  # -> transformers.Qwen2_5_VLProcessor | transformers.Qwen3VLProcessor
+    """A Qwen2.5-VL (`family="qwen2_5_vl"`: 14-pixel patches, CLIP's mean/std) or Qwen3-VL
+    (`"qwen3_vl"`: 16-pixel patches, mean and std 0.5) processor around `tokenizer`: the PIL
+    image processor and the numpy video processor, both resizing to [min_pixels, max_pixels]."""
+    from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
 
-    image_processor, video_processor = vision_processors(min_pixels, max_pixels)
-    return Qwen2_5_VLProcessor(
+    if family not in PROCESSOR_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
+    patch_size, mean_std = PROCESSOR_FAMILIES[family]
+    image_processor, video_processor = vision_processors(
+        min_pixels, max_pixels, patch_size=patch_size, mean_std=mean_std
+    )
+    processor_class = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
+    return processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,

@@ -1,6 +1,13 @@
-"""The built-in tiny vision-language model: a standard Qwen2_5_VLForConditionalGeneration with a
-small config, the project's character-level tokenizer plus Qwen2.5-VL's vision tokens, and a
-processor (PIL image processor, numpy video processor: `streamrl.models.processors`).
+"""The built-in tiny vision-language models: a standard Qwen2_5_VLForConditionalGeneration or
+Qwen3VLForConditionalGeneration with a small config, the project's character-level tokenizer
+plus the Qwen-VL vision tokens, and a processor (PIL image processor, numpy video processor:
+`streamrl.models.processors`).
+
+Qwen3-VL differs from Qwen2.5-VL where the roles must follow it: a Qwen3 decoder (query/key
+norms), 16-pixel patches normalised to [-1, 1], rotary frequencies that take turns among time,
+height and width (`mrope_interleaved`), "deepstack" features of earlier vision blocks added to
+the first decoder layers' outputs at the image tokens, and a video as one block of tokens per
+time step, each after its timestamp in the text (`<0.5 seconds>`).
 
 Like `streamrl.models.tiny`, the directory is written with `save_pretrained`, so it loads in
 transformers (`from_pretrained` and `processors.load_processor`) and in vLLM
@@ -9,10 +16,11 @@ transformers (`from_pretrained` and `processors.load_processor`) and in vLLM
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from streamrl.models.processors import build_processor
+from streamrl.models.processors import PROCESSOR_FAMILIES, build_processor
 from streamrl.models.tokenizer import build_tokenizer
 
 VISION_START = "<|vision_start|>"
@@ -119,28 +127,85 @@ def tiny_qwen2_5_vl_config(
     )
 
 
+def tiny_qwen3_vl_config(
+    tokenizer,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    vision_depth: int,
+    vision_hidden: int,
+    max_pixels: int,
+):  # -> transformers.Qwen3VLConfig
+    """A `Qwen3VLConfig` for `tokenizer` with a `num_layers` text model and a `vision_depth`
+    vision tower whose every block also feeds a decoder layer (deepstack, at most one per
+    decoder layer), its learned position grid large enough for `max_pixels` images."""
+    from transformers import Qwen3VLConfig
+
+    text_config = tiny_text_config(
+        tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
+    )
+    # Interleaved sections: frequency i turns with height when i % 3 == 1 (the first
+    # `sections[1]` such), with width when i % 3 == 2, else with time.
+    half = hidden_size // num_heads // 2
+    spatial = (half - 1) // 3
+    text_config["head_dim"] = hidden_size // num_heads
+    text_config["rope_parameters"].update(
+        mrope_section=[half - 2 * spatial, spatial, spatial], mrope_interleaved=True
+    )
+    patch = PROCESSOR_FAMILIES["qwen3_vl"][0]
+    side = math.isqrt(max_pixels) // patch + 1
+    ids = tokenizer.convert_tokens_to_ids
+    vision_config = dict(
+        depth=vision_depth,
+        hidden_size=vision_hidden,
+        intermediate_size=vision_hidden * 2,
+        num_heads=max(1, vision_hidden // 32),
+        out_hidden_size=hidden_size,
+        patch_size=patch,
+        num_position_embeddings=side * side,
+        deepstack_visual_indexes=list(range(min(vision_depth, num_layers))),
+    )
+    return Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids(IMAGE_PAD),
+        video_token_id=ids(VIDEO_PAD),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
 def build_tiny_vl_model_dir(
     out_dir: Path,
     *,
+    family: str = "qwen2_5_vl",
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 2,
     vision_depth: int = 2,
     vision_hidden: int = 64,
-    min_pixels: int = 28 * 28,
-    max_pixels: int = 112 * 112,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
     seed: int = 0,
 ) -> Path:
-    """Create a randomly initialised tiny Qwen2.5-VL model plus tokenizer and processor in
-    `out_dir` (HF format). Images and video frames are resized to [min_pixels, max_pixels]
-    (a 56x56 image becomes 4 merged tokens). The default 2 heads make head_dim 32: vLLM's CPU
-    attention has no kernel for head_dim 16 ("Unsupported CPU attention configuration")."""
+    """Create a randomly initialised tiny Qwen2.5-VL (`family="qwen2_5_vl"`) or Qwen3-VL
+    (`"qwen3_vl"`) model plus tokenizer and processor in `out_dir` (HF format). Images and video
+    frames are resized to [min_pixels, max_pixels] (by default a 56x56 image becomes 4 merged
+    tokens in either family). The default 2 heads make head_dim 32: vLLM's CPU attention has no
+    kernel for head_dim 16 ("Unsupported CPU attention configuration")."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
+    if family not in PROCESSOR_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
+    factor = PROCESSOR_FAMILIES[family][0] * 2  # one merged token's side in pixels
+    min_pixels = min_pixels if min_pixels is not None else factor * factor
+    max_pixels = max_pixels if max_pixels is not None else (4 * factor) ** 2
     tokenizer = build_vl_tokenizer()
-    config = tiny_qwen2_5_vl_config(
-        tokenizer,
+    shape = dict(
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -148,9 +213,16 @@ def build_tiny_vl_model_dir(
         vision_hidden=vision_hidden,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    if family == "qwen3_vl":
+        config = tiny_qwen3_vl_config(tokenizer, **shape, max_pixels=max_pixels)
+        model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    else:
+        config = tiny_qwen2_5_vl_config(tokenizer, **shape)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
-    processor = build_processor(tokenizer, min_pixels=min_pixels, max_pixels=max_pixels)
+    processor = build_processor(
+        tokenizer, min_pixels=min_pixels, max_pixels=max_pixels, family=family
+    )
     processor.save_pretrained(str(out_dir))
     return out_dir

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids
+from streamrl.models.vl_forward import mm_token_type_ids, mrope_position_ids, video_blocks
 
 # Media inputs that take the model's dtype (the rest are sizes and masks).
 FLOAT_INPUTS = ("pixel_values", "pixel_values_videos", "input_features")
@@ -112,7 +112,10 @@ def forward_media_kwargs(
         kwargs[name] = value.to(dtype) if name in FLOAT_INPUTS else value
     # Per row: the positions of its real tokens (media in row order), zeros on padding.
     positions = torch.zeros((3, *input_ids_bt.shape), dtype=torch.long)
-    grids = {name: kwargs.get(name) for name in ("image_grid_thw", "video_grid_thw")}
+    grids = {
+        "image_grid_thw": kwargs.get("image_grid_thw"),
+        "video_grid_thw": video_blocks(model.config, kwargs.get("video_grid_thw")),
+    }
     done = {"image_grid_thw": 0, "video_grid_thw": 0, "second_per_grid_ts": 0}
     # The Omni processor names a video's seconds per time step otherwise.
     seconds_key = "video_second_per_grid" if omni else "second_per_grid_ts"

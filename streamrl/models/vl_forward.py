@@ -48,6 +48,18 @@ def time_positions_per_second(config: Any) -> float:
     return getattr(config, "position_id_per_seconds", 25)
 
 
+def video_blocks(config: Any, video_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
+    """The (t, h, w) grid of every run of video tokens, in order: one per video, except for
+    Qwen3-VL, whose processor writes each time step of a video as a run of its own after its
+    timestamp (t = 1 each)."""
+    if video_grid_thw is None or getattr(config, "model_type", None) != "qwen3_vl":
+        return video_grid_thw
+    grids = torch.as_tensor(video_grid_thw)
+    per_step = grids.repeat_interleave(grids[:, 0], dim=0)
+    per_step[:, 0] = 1
+    return per_step
+
+
 def mrope_position_ids(
     config: Any,
     types_bt: torch.Tensor,
@@ -59,11 +71,13 @@ def mrope_position_ids(
     three by one per token; a media block of (t, h, w) merged patches takes time positions
     `int(i * tokens_per_second * seconds_per_step)` (i-th step; 1 step per image) and
     height/width positions 0..h-1 / 0..w-1, all offset by where it starts; the text after it
-    starts one past the block's largest position. Media go in order through the batch. Audio
+    starts one past the block's largest position. Media go in order through the batch (a
+    Qwen3-VL video as one block per time step, `video_blocks`). Audio
     tokens (the Omni thinker's) count as text here: vLLM and transformers both give them one
     position per token, all three equal."""
     vision = config.vision_config
     merge = vision.spatial_merge_size
+    video_grid_thw = video_blocks(config, video_grid_thw)
     grids = {
         IMAGE_TYPE: iter(image_grid_thw.tolist() if image_grid_thw is not None else []),
         VIDEO_TYPE: iter(video_grid_thw.tolist() if video_grid_thw is not None else []),

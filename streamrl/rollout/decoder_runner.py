@@ -27,8 +27,9 @@ from streamrl.models.vision import is_multimodal, placeholder_ids, text_model
 from streamrl.rollout.vision_prompts import mrope_bands, prompt_inputs, rotary_tables
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
-# Vision-language models whose language model is one of those (a Qwen2 decoder, 3-D positions).
-VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Vision-language models whose language model is one of those (a Qwen2 or, for Qwen3-VL, a Qwen3
+# decoder; 3-D positions).
+VISION_LANGUAGE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # The Qwen2.5-Omni model (as its directory's config names it) and the thinker transformers loads
 # from it: a Qwen2 decoder with 3-D positions beside an audio and a vision tower.
 OMNI_TYPES = ("qwen2_5_omni", "qwen2_5_omni_thinker")
@@ -209,18 +210,18 @@ class DecoderRunner:
             out = out.view(num, self.num_kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
             return out.reshape(num * width, -1)
 
-        embeds_n = None
+        embeds_n, deepstack_n = None, None
         if self.vision:
             inputs = [
                 prompt_inputs(self.model, self._tensor(list(p)), first_media[key])
                 for p, key in zip(unique, first_slot, strict=True)
             ]
-            embeds_n, cos, sin = self._vision_inputs(inputs, width)
+            embeds_n, cos, sin, deepstack_n = self._vision_inputs(inputs, width)
             deltas = self._tensor([x.rope_delta for x in inputs])
             self.rope_delta[slots] = deltas[which]
         else:
             cos, sin = self.cos[:width].repeat(num, 1), self.sin[:width].repeat(num, 1)
-        hidden_nh = self._layers(ids_n, cos[:, None], sin[:, None], attend, embeds_n)
+        hidden_nh = self._layers(ids_n, cos[:, None], sin[:, None], attend, embeds_n, deepstack_n)
         logits = self._logits(hidden_nh[self._arange(num) * width + lengths - 1])
         if self.routes is not None:  # [num * width, layers, k] -> each prompt's own positions
             per_unique = [self.routes[i * width : i * width + len(p)] for i, p in enumerate(unique)]
@@ -265,9 +266,12 @@ class DecoderRunner:
         return self._logits(self._layers(ids_b, cos, sin, attend))
 
     def _vision_inputs(self, inputs, width: int):
-        """Flat embeddings and rotary tables [num * width, ...] of prompts padded to `width`."""
+        """Flat embeddings and rotary tables [num * width, ...] of prompts padded to `width`,
+        and the deepstack additions of each layer that takes them, also flat (None: none)."""
         embeds, cos, sin = [], [], []
         rotary = self.text.rotary_emb
+        levels = max((len(x.deepstack or []) for x in inputs), default=0)
+        deepstack: list[list[torch.Tensor]] = [[] for _ in range(levels)]
         for x in inputs:
             pad = width - x.embeds_lh.shape[0]
             positions = F.pad(x.positions_3l, (0, pad))
@@ -275,15 +279,21 @@ class DecoderRunner:
             cos.append(c * rotary.attention_scaling)
             sin.append(s * rotary.attention_scaling)
             embeds.append(F.pad(x.embeds_lh, (0, 0, 0, pad)))
+            for level, out in enumerate(deepstack):  # a prompt without images adds zeros
+                add = x.deepstack[level] if x.deepstack else torch.zeros_like(x.embeds_lh)
+                out.append(F.pad(add, (0, 0, 0, pad)))
         return (
             torch.cat(embeds).to(self.dtype),
             torch.cat(cos).to(self.dtype),
             torch.cat(sin).to(self.dtype),
+            [torch.cat(level).to(self.dtype) for level in deepstack] or None,
         )
 
-    def _layers(self, ids_n: torch.Tensor, cos_n1d, sin_n1d, attend, embeds_n=None) -> torch.Tensor:
+    def _layers(
+        self, ids_n: torch.Tensor, cos_n1d, sin_n1d, attend, embeds_n=None, deepstack_n=None
+    ) -> torch.Tensor:
         """The decoder stack on flat tokens (or their given input embeddings); `attend` stores
-        keys/values and returns attention."""
+        keys/values and returns attention; layer i's output gets `deepstack_n[i]` added."""
         x = F.embedding(ids_n, self.text.embed_tokens.weight) if embeds_n is None else embeds_n
         num = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -305,13 +315,15 @@ class DecoderRunner:
                 out, experts_nk = w.moe(_rms_normalize(x, self.eps))
                 x = x + out
                 routes.append(experts_nk)
-                continue
-            gate, up = w.gate_up(_rms_normalize(x, self.eps, w.post_norm)).chunk(2, dim=-1)
-            x = (
-                w.down.add_to(x, F.silu(gate).mul_(up))
-                if self.fold
-                else x + w.down(F.silu(gate) * up)
-            )
+            else:
+                gate, up = w.gate_up(_rms_normalize(x, self.eps, w.post_norm)).chunk(2, dim=-1)
+                x = (
+                    w.down.add_to(x, F.silu(gate).mul_(up))
+                    if self.fold
+                    else x + w.down(F.silu(gate) * up)
+                )
+            if deepstack_n is not None and i < len(deepstack_n):
+                x = x + deepstack_n[i]
         self.routes = torch.stack(routes, dim=1) if self.capture_routes else None
         return x
 

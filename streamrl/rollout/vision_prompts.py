@@ -10,6 +10,11 @@ computes both with the model's own towers (`get_image_features`, `get_video_feat
 (`streamrl.models.vl_forward.mrope_position_ids`), so the engine and the trainer agree. After
 the prompt, a text token's three positions are equal and trail its cache column by the prompt's
 `rope_delta`, which is all decoding needs.
+
+Qwen3-VL (a Qwen3 decoder) differs in two ways: its frequency bands take turns among the three
+positions (`mrope_interleaved`), and its vision tower also hands "deepstack" features of earlier
+blocks to the first decoder layers, which add them to their outputs at the image and video
+tokens (`PromptInputs.deepstack`; prompt tokens only, so decoding never sees them).
 """
 
 from __future__ import annotations
@@ -34,17 +39,27 @@ def mrope_bands(model, head_dim: int) -> torch.Tensor | None:
         return None
     if sum(section) != head_dim // 2:
         raise ValueError(f"mrope_section {section} does not add up to head_dim / 2")
-    return torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(section)])
+    if not rope.get("mrope_interleaved"):  # consecutive sections: time, then height, then width
+        return torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(section)])
+    # Qwen3-VL: frequency i turns with height if i % 3 == 1 and with width if i % 3 == 2, within
+    # three times their sections; every other one with time.
+    bands = torch.zeros(head_dim // 2, dtype=torch.long)
+    for band in (1, 2):
+        bands[band : 3 * section[band] : 3] = band
+    return bands
 
 
 @dataclass
 class PromptInputs:
-    """One prompt's input embeddings [len, hidden], 3-D positions [3, len] and the offset of its
-    later text positions from their cache columns (`rope_delta`, <= 0)."""
+    """One prompt's input embeddings [len, hidden], 3-D positions [3, len], the offset of its
+    later text positions from their cache columns (`rope_delta`, <= 0) and, for a Qwen3-VL
+    prompt with images or video, what the first decoder layers add to their outputs
+    (`deepstack`: one [len, hidden] per layer, zero but at the image and video tokens)."""
 
     embeds_lh: torch.Tensor
     positions_3l: torch.Tensor
     rope_delta: int
+    deepstack: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -57,7 +72,8 @@ def prompt_inputs(model, ids: torch.Tensor, media: Mapping[str, Any] | None) -> 
     media = media or {}
     config = model.config
     seen: list[str] = []
-    for kind, token_id, features in _media_features(owner, media, config, ids.device):
+    deepstack: list[torch.Tensor] | None = None
+    for kind, token_id, features, deep in _media_features(owner, media, config, ids.device):
         seen.append(kind)
         where = ids == token_id
         if int(where.sum()) != features.shape[0]:
@@ -68,6 +84,10 @@ def prompt_inputs(model, ids: torch.Tensor, media: Mapping[str, Any] | None) -> 
             )
         embeds = embeds.clone()
         embeds[where] = features.to(embeds.dtype)
+        if deep:
+            deepstack = deepstack or [torch.zeros_like(embeds) for _ in deep]
+            for layer, level in zip(deepstack, deep, strict=True):
+                layer[where] = level.to(layer.dtype)
     for kind, token_id in (
         ("image", config.image_token_id),
         ("video", config.video_token_id),
@@ -89,12 +109,14 @@ def prompt_inputs(model, ids: torch.Tensor, media: Mapping[str, Any] | None) -> 
         _cpu(media.get("video_grid_thw")),
         _cpu(seconds),
     )[:, 0].to(ids.device)
-    return PromptInputs(embeds, positions_3l, int(positions_3l.max()) + 1 - len(ids))
+    rope_delta = int(positions_3l.max()) + 1 - len(ids)
+    return PromptInputs(embeds, positions_3l, rope_delta, deepstack)
 
 
 def _media_features(owner, media: Mapping[str, Any], config, device: torch.device):
-    """(kind, placeholder token id, features [tokens, hidden]) of each medium kind `media`
-    holds, from the model's own towers (`owner` has the `get_*_features` methods)."""
+    """(kind, placeholder token id, features [tokens, hidden], deepstack features: one
+    [tokens, hidden] per decoder layer they go to, empty but for Qwen3-VL) of each medium kind
+    `media` holds, from the model's own towers (`owner` has the `get_*_features` methods)."""
     for kind, pixels_key, grid_key, token_id, method in (
         ("image", "pixel_values", "image_grid_thw", config.image_token_id, "get_image_features"),
         (
@@ -112,14 +134,15 @@ def _media_features(owner, media: Mapping[str, Any], config, device: torch.devic
         pooled = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(pooled, (list, tuple)):
             pooled = torch.cat(list(pooled))
-        yield kind, token_id, pooled
+        deep = getattr(out, "deepstack_features", None) or []
+        yield kind, token_id, pooled, [torch.cat(list(level)) for level in deep]
     if media.get("input_features") is not None:
         features = torch.as_tensor(media["input_features"])
         mask = torch.as_tensor(media["feature_attention_mask"]).to(device)
         out = owner.get_audio_features(
             features.to(device, owner.audio_tower.dtype), mask, return_dict=True
         )
-        yield "audio", config.audio_token_id, out.last_hidden_state
+        yield "audio", config.audio_token_id, out.last_hidden_state, []
 
 
 def _cpu(value):

@@ -1,4 +1,5 @@
-"""Images and video through the roles: feeder preparation, builtin engine, trainer log-probs.
+"""Images and video through the roles: feeder preparation, builtin engine, trainer log-probs,
+for a tiny Qwen2.5-VL and a tiny Qwen3-VL model.
 
 On identical weights the builtin engine's log-probs of its own samples and the trainer's
 forward (`trainer.logprobs`, which the reference and pi_old roles share) agree to 1e-5 in fp32
@@ -33,9 +34,12 @@ from streamrl.rollout.builtin_engine import BuiltinEngine
 from streamrl.trainer.logprobs import pack, response_logprobs
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return build_tiny_vl_model_dir(tmp_path_factory.mktemp("vl") / "model", seed=3)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_dir(tmp_path_factory, request) -> Path:
+    """A tiny model of each family: Qwen3-VL adds interleaved rotary bands, deepstack features
+    and a block of video tokens per time step to what the engine must follow."""
+    out = tmp_path_factory.mktemp(request.param) / "model"
+    return build_tiny_vl_model_dir(out, family=request.param, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +132,13 @@ def test_engine_and_trainer_agree_for_image_video_and_text(vl_dir, preparer, tmp
     assert preparer.num_media == {"image": 3, "video": 1}
     video = requests[1].media
     assert video["video_grid_thw"].tolist() == [[2, 4, 4]] and video["decoded"][0][0] == "video"
-    # A .npy clip says no rate: data.media.video_fps (2), so a time step of 2 frames is 1 s.
-    assert video["second_per_grid_ts"].tolist() == [1.0]
+    if model.config.model_type == "qwen3_vl":  # each time step after its timestamp, in text
+        text = tokenizer.decode(requests[1].prompt_ids)
+        assert "<0.2 seconds>" in text and "<1.2 seconds>" in text, text
+        assert len(model.config.vision_config.deepstack_visual_indexes) == 2
+    else:
+        # A .npy clip says no rate: data.media.video_fps (2), so a time step of 2 frames is 1 s.
+        assert video["second_per_grid_ts"].tolist() == [1.0]
 
     engine = BuiltinEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
