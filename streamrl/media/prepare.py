@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 PROMPT_IDS = "input_ids"  # the entry's name for the expanded prompt
 MEDIA_PREFIX = "media."  # decoded media: "media.<i>.<kind>"
 # The processor's keyword for each kind's list of media.
+VIDEO_FPS = "video_fps"  # each video's frame rate, beside the processor's tensors
 PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
 # Processor attributes naming the placeholder token of each kind, where a processor has one.
 PLACEHOLDER_ATTRS = {"image": "image_token", "video": "video_token", "audio": "audio_token"}
@@ -141,6 +142,10 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
         ]
     outputs = processor(text=[text], return_tensors="pt", **kwargs)
     entry = {PROMPT_IDS: outputs["input_ids"][0]}
+    if "videos" in kwargs:  # for an engine that processes the frames again (Qwen3-VL's
+        # timestamps in the prompt come from it); in float64, as the processor computed them
+        rates = [m["fps"] for m in kwargs["video_metadata"]]
+        entry[VIDEO_FPS] = torch.tensor(rates, dtype=torch.float64)
     for name, value in outputs.items():
         # Per-token types and masks are the batch's to build (padding moves the tokens).
         per_token = ("input_ids", "attention_mask", "mm_token_type_ids")

@@ -283,6 +283,8 @@ def _metadata(given: Any, videos: list[np.ndarray]) -> list[VideoMetadata]:
         given = [None] * len(videos)
     elif isinstance(given, (dict, VideoMetadata)):
         given = [given]
+    else:  # nested per prompt as the videos may be (vLLM's calls): flat, as they are made
+        given = [m for entry in given for m in (entry if isinstance(entry, list) else [entry])]
     if len(given) != len(videos):
         raise ValueError(f"got {len(given)} video_metadata entries for {len(videos)} videos")
     out = []
@@ -344,10 +346,12 @@ def install_vllm_shims() -> None:
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
     ModelRegistry.register_model(
         "Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLForConditionalGeneration
     )
+    ModelRegistry.register_model("Qwen3VLForConditionalGeneration", Qwen3VLForConditionalGeneration)
     # A Qwen2.5-Omni directory names the whole model's class; vLLM runs its thinker.
     ModelRegistry.register_model(
         "Qwen2_5OmniForConditionalGeneration", Qwen2_5OmniThinkerForConditionalGeneration

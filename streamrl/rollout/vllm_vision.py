@@ -29,6 +29,7 @@ import numpy as np
 
 from streamrl.api.engine import GenerationRequest
 from streamrl.config.schema import VllmConfig
+from streamrl.media.prepare import VIDEO_FPS
 
 # Set (to "1") in the environment the processes of a vision-language model's engine start with:
 # a vLLM worker process imports this module as the worker extension before it loads the model,
@@ -36,7 +37,7 @@ from streamrl.config.schema import VllmConfig
 SHIMS_ENV = "STREAMRL_VLLM_VISION_SHIMS"
 
 
-QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # vLLM runs the thinker of a Qwen2.5-Omni model directory (its config the Omni one).
 OMNI_MODEL_TYPE = "qwen2_5_omni"
 
@@ -57,6 +58,9 @@ class VisionInputs:
     bad_words: tuple[str, ...]
     merge_size: int
     temporal_patch_size: int
+    # Qwen3-VL: (vision start, vision end) token ids, between which each time step of a video
+    # sits after its timestamp; None for models that write a video as one run of placeholders.
+    video_steps: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, hf_config: Any, tokenizer: Any) -> VisionInputs:
@@ -67,7 +71,8 @@ class VisionInputs:
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in (*QWEN_VL_MODEL_TYPES, OMNI_MODEL_TYPE):
             raise ValueError(
-                "the vLLM engine takes media for Qwen2-VL, Qwen2.5-VL and Qwen2.5-Omni models "
+                "the vLLM engine takes media for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen2.5-Omni "
+                "models "
                 f"only (model types {(*QWEN_VL_MODEL_TYPES, OMNI_MODEL_TYPE)}); this multimodal "
                 f"model's is {model_type!r}: use rollout.engine=builtin"
             )
@@ -87,11 +92,15 @@ class VisionInputs:
                 "bad_words cannot keep exactly them from being sampled; check the tokenizer's "
                 "added tokens"
             )
+        steps = None
+        if model_type == "qwen3_vl":
+            steps = (hf_config.vision_start_token_id, hf_config.vision_end_token_id)
         return cls(
             placeholders,
             words,
             int(vision.spatial_merge_size),
             int(vision.temporal_patch_size),
+            steps,
         )
 
     def prompt(self, request: GenerationRequest, response_ids: Sequence[int]) -> dict[str, Any]:
@@ -113,6 +122,7 @@ class VisionInputs:
         data: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
         uuids: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         seconds = media.get("second_per_grid_ts")
+        rates = media.get(VIDEO_FPS)
         for i, (kind, array) in enumerate(media["decoded"]):
             if kind == "audio":
                 # Samples at the feature extractor's rate: the feeder's processor (the model
@@ -123,9 +133,14 @@ class VisionInputs:
 
                 data["image"].append(Image.fromarray(np.asarray(array, dtype=np.uint8)))
             else:
-                step = None if seconds is None else float(seconds[len(data["video"])])
+                n = len(data["video"])
+                if rates is not None:
+                    fps = float(rates[n])
+                else:  # a store entry from before the rate was kept: from the time step
+                    step = None if seconds is None else float(seconds[n])
+                    fps = self.temporal_patch_size / (step or 1.0)
                 data["video"].append(
-                    (np.asarray(array, dtype=np.uint8), self._metadata(array, step))
+                    (np.asarray(array, dtype=np.uint8), self._metadata(array, fps))
                 )
             uuids[kind].append(f"{media.get('key')}.{i}")
         data = {kind: items for kind, items in data.items() if items}
@@ -134,8 +149,9 @@ class VisionInputs:
             prompt["multi_modal_uuids"] = {kind: uuids[kind] for kind in data}
         return prompt
 
-    def _sizes(self, request: GenerationRequest) -> list[tuple[str, int]]:
-        """(kind, placeholder tokens) of each medium of `request`, in prompt order."""
+    def _sizes(self, request: GenerationRequest) -> list[tuple[str, int, int]]:
+        """(kind, placeholder tokens, time steps) of each medium of `request`, in prompt
+        order."""
         media = request.media
         assert media is not None
         grids = {"image": media.get("image_grid_thw"), "video": media.get("video_grid_thw")}
@@ -153,7 +169,8 @@ class VisionInputs:
                         f"request {request.request_id!r}: its media have no "
                         f"feature_attention_mask entry for audio {used['audio']}"
                     )
-                sizes.append(("audio", audio_tokens(int(np.asarray(frames[used["audio"]]).sum()))))
+                tokens = audio_tokens(int(np.asarray(frames[used["audio"]]).sum()))
+                sizes.append(("audio", tokens, 1))
                 used["audio"] += 1
                 continue
             grid = grids[kind]
@@ -163,12 +180,13 @@ class VisionInputs:
                     f"for {kind} {used[kind]}"
                 )
             t, h, w = (int(x) for x in np.asarray(grid[used[kind]]))
-            sizes.append((kind, t * h * w // self.merge_size**2))
+            sizes.append((kind, t * h * w // self.merge_size**2, t))
             used[kind] += 1
         return sizes
 
-    def _collapse(self, request: GenerationRequest, sizes: list[tuple[str, int]]) -> list[int]:
-        """The prompt with each medium's `size` placeholders replaced by one."""
+    def _collapse(self, request: GenerationRequest, sizes: list[tuple[str, int, int]]) -> list[int]:
+        """The prompt with each medium's `size` placeholders replaced by one (a Qwen3-VL
+        video's time steps with their timestamps, `_collapse_steps`)."""
         ids = [int(t) for t in request.prompt_ids]
         out, pos, media = [], 0, iter(sizes)
         kind_of = {token: kind for kind, token in self.placeholders.items()}
@@ -178,7 +196,10 @@ class VisionInputs:
                 out.append(token)
                 pos += 1
                 continue
-            kind, size = next(media, (None, 0))
+            kind, size, steps = next(media, (None, 0, 1))
+            if kind == "video" == kind_of[token] and self.video_steps is not None:
+                pos = self._collapse_steps(request, ids, pos, out, steps, size // steps)
+                continue
             if kind != kind_of[token] or ids[pos : pos + size] != [token] * size:
                 raise ValueError(
                     f"request {request.request_id!r}: the {kind_of[token]} placeholders at "
@@ -190,12 +211,47 @@ class VisionInputs:
             raise ValueError(f"request {request.request_id!r} has more media than placeholder runs")
         return out
 
-    def _metadata(self, frames: Any, seconds_per_step: float | None) -> dict[str, Any]:
+    def _collapse_steps(
+        self,
+        request: GenerationRequest,
+        ids: list[int],
+        pos: int,
+        out: list[int],
+        steps: int,
+        per_step: int,
+    ) -> int:
+        """A Qwen3-VL video at `pos` (its first placeholder), written by the processor as
+        `<start>` then, per time step, `<t seconds><start>` + `per_step` placeholders + `<end>`,
+        then `<end>`: what came before it since the outer `<start>` leaves `out`, one
+        placeholder goes in (vLLM writes the steps again from the frames and their rate), and
+        the position after the last step's `<end>` is returned."""
+        start, end = self.video_steps
+        token = self.placeholders["video"]
+        bad = ValueError(
+            f"request {request.request_id!r}: the video at position {pos} is not {steps} time "
+            f"steps of {per_step} placeholders, each after its timestamp and between "
+            "<|vision_start|> and <|vision_end|>"
+        )
+        outer = [i for i, t in enumerate(out[:-1]) if t == start]
+        if not out or out[-1] != start or not outer:
+            raise bad
+        del out[outer[-1] + 1 :]  # the first step's timestamp and its <start>
+        out.append(token)
+        for step in range(steps):
+            if ids[pos : pos + per_step] != [token] * per_step or ids[pos + per_step] != end:
+                raise bad
+            pos += per_step + 1
+            if step < steps - 1:  # past the next step's timestamp and its <start>
+                if start not in ids[pos:]:
+                    raise bad
+                pos = ids.index(start, pos) + 1
+        return pos
+
+    def _metadata(self, frames: Any, fps: float) -> dict[str, Any]:
         """vLLM's video metadata for `frames` as they are (no frame sampling), at the frame
-        rate the processor timed them with: a time step of `temporal_patch_size` frames took
-        `seconds_per_step` (the prompt's `second_per_grid_ts`; 1 s without one, the model's
-        own default)."""
-        fps = self.temporal_patch_size / (seconds_per_step or 1.0)
+        rate the feeder's processor timed them with (the prompt's `video_fps`; else derived
+        from its `second_per_grid_ts`, a time step of `temporal_patch_size` frames; 1 s a step
+        without one, the model's own default)."""
         num_frames = len(frames)
         return {
             "fps": fps,

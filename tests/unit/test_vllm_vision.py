@@ -1,4 +1,4 @@
-"""The vLLM engine on the tiny Qwen2.5-VL (fp32, in process): images and videos go in as the
+"""The vLLM engine on the tiny Qwen2.5-VL and Qwen3-VL (fp32, in process): images and videos go in as the
 request's media, and on identical weights its log-probs are the trainer's (`response_logprobs`)
 for image, video and text prompts batched together; again after a weight update that changes
 the vision tower (the same image sent again works: the encoder cache was reset), and across an
@@ -43,9 +43,12 @@ pytestmark = pytest.mark.slow
 MEAN_TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_vl_model_dir(tmp_path_factory.mktemp("vl") / "model", seed=3)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_dir(tmp_path_factory: pytest.TempPathFactory, request) -> Path:
+    """Each family: Qwen3-VL's video is a run of placeholders per time step, each after its
+    timestamp, which the engine's prompt collapses and vLLM writes again from the frames."""
+    out = tmp_path_factory.mktemp(request.param) / "model"
+    return build_tiny_vl_model_dir(out, family=request.param, seed=3)
 
 
 @pytest.fixture(scope="module")
