@@ -138,8 +138,9 @@ def tiny_qwen3_vl_config(
     max_pixels: int,
 ):  # -> transformers.Qwen3VLConfig
     """A `Qwen3VLConfig` for `tokenizer` with a `num_layers` text model and a `vision_depth`
-    vision tower whose every block also feeds a decoder layer (deepstack, at most one per
-    decoder layer), its learned position grid large enough for `max_pixels` images."""
+    vision tower whose first blocks also feed the first decoder layers (deepstack: one per
+    block, all but the last decoder layer), its learned position grid large enough for
+    `max_pixels` images."""
     from transformers import Qwen3VLConfig
 
     text_config = tiny_text_config(
@@ -164,7 +165,9 @@ def tiny_qwen3_vl_config(
         out_hidden_size=hidden_size,
         patch_size=patch,
         num_position_embeddings=side * side,
-        deepstack_visual_indexes=list(range(min(vision_depth, num_layers))),
+        # Not into the last decoder layer, whose output at an image token reaches no later
+        # token (a response's loss would give those features no gradient).
+        deepstack_visual_indexes=list(range(max(1, min(vision_depth, num_layers - 1)))),
     )
     return Qwen3VLConfig(
         text_config=text_config,

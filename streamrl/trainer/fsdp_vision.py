@@ -13,6 +13,10 @@ would wait on each other for good.
     rank with media:  visual(images ++ videos) ─► split ─► mm_encoder_outputs {image, video}
     rank without:     visual(one tiny blank image) ─► 0 x sum added to the input embeddings
 
+A Qwen3-VL tower also returns "deepstack" features of earlier blocks (through mergers of their
+own) for the first decoder layers: they are split per item alike, and the blank image's go into
+the zero term too, so the mergers' gradients are reduced on every rank.
+
 The tower processes each image or video on its own (attention within each item only), so one
 call over both gives the features two calls would, to float rounding. The blank image's zero
 term changes no logit and adds an exact zero to the tower's gradient; it exists so the
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from streamrl.models.vision import tower_owner
 
@@ -66,18 +71,29 @@ def _run_tower_once(
         if kwargs.get(pixels) is not None
     ]
     if not kinds:
-        _add_zero(inner, kwargs, visual(*_blank_image(visual)).pooler_output)
+        blank = visual(*_blank_image(visual))
+        deep = getattr(blank, "deepstack_features", None) or []
+        _add_zero(inner, kwargs, torch.stack([f.sum() for f in [blank.pooler_output, *deep]]))
         _blank_audio(inner, kwargs)
         return args, kwargs
     pixels = torch.cat([p.type(visual.dtype) for _, p, _ in kinds])
     grids = torch.cat([g for _, _, g in kinds])
-    features = visual(pixels, grid_thw=grids).pooler_output
-    per_item = torch.split(features, (grids.prod(-1) // visual.spatial_merge_size**2).tolist())
+    out = visual(pixels, grid_thw=grids)
+    sizes = (grids.prod(-1) // visual.spatial_merge_size**2).tolist()
+    per_item = torch.split(out.pooler_output, sizes)
+    # Qwen3-VL: features of earlier blocks for the first decoder layers, per layer per item.
+    deep = [torch.split(level, sizes) for level in getattr(out, "deepstack_features", None) or []]
     outputs, start = {}, 0
     for kind, _, grid in kinds:
-        items = per_item[start : start + len(grid)]
+        items = slice(start, start + len(grid))
         start += len(grid)
-        outputs[kind] = BaseModelOutputWithPooling(pooler_output=items)
+        outputs[kind] = (
+            BaseModelOutputWithDeepstackFeatures(
+                pooler_output=per_item[items], deepstack_features=[d[items] for d in deep]
+            )
+            if deep
+            else BaseModelOutputWithPooling(pooler_output=per_item[items])
+        )
     kwargs.update(pixel_values=None, pixel_values_videos=None, mm_encoder_outputs=outputs)
     _blank_audio(inner, kwargs)
     return args, kwargs
@@ -104,6 +120,10 @@ def _add_zero(inner: nn.Module, kwargs: dict[str, Any], features: torch.Tensor) 
     if embeds is None:
         embeds = inner.get_input_embeddings()(kwargs["input_ids"])
     kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+    media = ("pixel_values", "pixel_values_videos", "input_features", "mm_encoder_outputs")
+    if all(kwargs.get(name) is None for name in media):
+        # No placeholder to find: the ids may go (Qwen3-VL takes ids or embeddings, not both).
+        kwargs["input_ids"] = None
 
 
 def _blank_image(visual: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

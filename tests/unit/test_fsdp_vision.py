@@ -55,9 +55,11 @@ from tests.unit.test_vision_roles import _prompts
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> Path:
-    return build_tiny_vl_model_dir(tmp_path_factory.mktemp("vl") / "model", seed=3)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_dir(tmp_path_factory, request) -> Path:
+    """Each family: a Qwen3-VL tower also feeds its deepstack features to the decoder."""
+    out = tmp_path_factory.mktemp(request.param) / "model"
+    return build_tiny_vl_model_dir(out, family=request.param, seed=3)
 
 
 @pytest.fixture(scope="module")
