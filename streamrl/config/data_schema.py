@@ -10,6 +10,11 @@ from pydantic import Field, model_validator
 
 from streamrl.config.section import Section
 
+# Built-in tasks whose prompts hold media: the built-in model is then a vision-language one
+# (images, video), or a Qwen2.5-Omni thinker for audio.
+VISION_TASKS = ("shapes", "motion")
+AUDIO_TASKS = ("tones",)
+
 # The rule a built-in task is scored by when `reward.function` is not set (the default,
 # `arith_exact_match`, reads a number after the last colon).
 TASK_REWARDS = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from streamrl.config.data_schema import AUDIO_TASKS, VISION_TASKS
 from streamrl.config.schema import Config
 
 
@@ -58,10 +59,6 @@ def held_groups(cfg: Config, groups_per_step: int) -> int:
     return cfg.trainer.checkpoint_every * groups_per_step if in_place_recovery(cfg) else 0
 
 
-# Built-in tasks whose prompts hold media: the built-in model is then a vision-language one
-# (images, video), or a Qwen2.5-Omni thinker for audio.
-VISION_TASKS = ("shapes", "motion")
-AUDIO_TASKS = ("tones",)
 MEDIA_TASKS = VISION_TASKS + AUDIO_TASKS
 
 

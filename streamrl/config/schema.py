@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from streamrl.config.agent_schema import AgentConfig
 from streamrl.config.data_schema import (  # noqa: F401 - re-exported
     TASK_REWARDS,
+    VISION_TASKS,
     DataConfig,
     MediaConfig,
     WarmStartConfig,
@@ -52,6 +53,10 @@ class ModelConfig(Section):
     width), docs/moe.md."""
     experts_per_token: int = Field(2, ge=1)
     """Built-in tiny MoE model: experts each token is routed to (top-k)."""
+    vision_family: Literal["qwen2_5_vl", "qwen3_vl"] = "qwen2_5_vl"
+    """Built-in model of a vision task (`data.task` shapes or motion): a tiny Qwen2.5-VL or a
+    tiny Qwen3-VL (interleaved 3-D rotary positions, deepstack features, timestamped video
+    steps; docs/multimodal.md). A model directory (`path`) says its own family."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of the policy in every role: the trainer (unless
     `trainer.mixed_precision`), the builtin engine, the reference, pi_old and critic models;
@@ -621,6 +626,16 @@ class Config(Section):
             raise ValueError(
                 f"model.experts_per_token ({m.experts_per_token}) must be at most "
                 f"model.num_experts ({m.num_experts})"
+            )
+        if m.vision_family != "qwen2_5_vl" and (
+            m.path is not None
+            or self.data.train_file is not None
+            or self.data.task not in VISION_TASKS
+        ):
+            raise ValueError(
+                f"model.vision_family={m.vision_family!r} picks the built-in model of a built-in "
+                f"vision task (data.task: {' or '.join(VISION_TASKS)}, no model.path, no "
+                "data.train_file); a model directory's config.json says its own family"
             )
         if self.model.hidden_size % self.model.num_heads:
             raise ValueError(

@@ -1,6 +1,6 @@
-"""Multimodal models (Qwen2-VL, Qwen2.5-VL; the Qwen2.5-Omni thinker, which also hears audio) as
-the roles see them: which models are, where their language model sits, and the keyword arguments
-their forward needs for a batch.
+"""Multimodal models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; the Qwen2.5-Omni thinker, which hears
+audio) as the roles see them: which models are, where their language model sits, and the
+keyword arguments their forward needs for a batch.
 
 A Qwen-VL forward computes 3-D rotary positions only when it is given the token types
 (`mm_token_type_ids`); without them it silently falls back to 1-D positions and its log-probs
@@ -76,7 +76,7 @@ def freeze_vision(model) -> int:
     else:
         raise ValueError(
             f"model.freeze_vision=true, but {type(model).__name__} has no vision tower: freezing "
-            "applies to a vision-language policy (Qwen2-VL, Qwen2.5-VL) or an Omni thinker; "
+            "applies to a vision-language policy (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or an Omni thinker; "
             "set it to false"
         )
     params = [param for tower in towers for param in tower.parameters()]

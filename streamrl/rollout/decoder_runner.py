@@ -8,7 +8,8 @@ step, no Python work per sequence. Mixture-of-experts layers (Qwen3-MoE) route w
 In fp32 the norms and the attention scale are folded into the projections; below fp32 the
 runner keeps transformers' order of operations (`_LayerWeights`). Qwen-VL models and the
 Qwen2.5-Omni thinker run their language model here too, with prompts' embeddings and 3-D
-positions from their vision and audio towers (`streamrl.rollout.vision_prompts`).
+positions from their vision and audio towers (`streamrl.rollout.vision_prompts`), and for
+Qwen3-VL the deepstack features its first layers add to their outputs.
 `rollout/builtin_engine.py` drives it: slots, sampling and results.
 """
 

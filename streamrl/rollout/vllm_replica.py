@@ -22,7 +22,7 @@ reload skips that layer, which would keep the old weights), and the prefix cache
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor `uni`) tensors pass by reference; across processes
 they travel as one safetensors blob.
 
-Vision-language (Qwen2-VL, Qwen2.5-VL) policies: media go in as vLLM's `multi_modal_data`, the
+Vision-language (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) policies: media go in as vLLM's `multi_modal_data`, the
 placeholder tokens are never sampled, and a reload also resets the encoder cache (vision outputs
 of the old weights): `rollout/vllm_vision.py`.
 

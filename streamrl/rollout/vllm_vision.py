@@ -1,4 +1,4 @@
-"""vLLM's inputs for a multimodal (Qwen2-VL, Qwen2.5-VL; Qwen2.5-Omni thinker, with audio) policy,
+"""vLLM's inputs for a multimodal (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; Qwen2.5-Omni thinker) policy,
 and the processes that need the torchvision shims.
 
 A request's media go to vLLM as `multi_modal_data` (`VisionInputs`), which runs the model

@@ -73,8 +73,8 @@ def load_datasets(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], int]:
     if with_media and not multimodal(cfg):
         raise ValueError(
             f"{with_media} row(s) hold images, videos or audio, but the policy takes text only: "
-            "set model.path to a vision-language model (Qwen2-VL, Qwen2.5-VL; "
-            "docs/multimodal.md)"
+            "set model.path to a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or a "
+            "Qwen2.5-Omni model (docs/multimodal.md)"
         )
     return train, evals, skipped
 

@@ -9,6 +9,7 @@ The result is an ordinary HF model directory, reused by every later run with the
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -63,6 +64,8 @@ def _unused_model_keys(cfg: Config) -> set[str]:
     unused = {"onednn_linears", "freeze_vision"}  # freezing is for RL; the warm start trains all
     if not cfg.model.num_experts:
         unused |= {"num_experts", "experts_per_token"}
+    if cfg.model.vision_family == "qwen2_5_vl":  # the default: keys cached before it existed
+        unused.add("vision_family")
     return unused
 
 
@@ -101,7 +104,9 @@ def _build_policy_dir(cfg: Config, out: Path, progress) -> Path:
     if cfg.data.task in AUDIO_TASKS:  # the tiny Qwen2.5-Omni thinker (an audio tower)
         from streamrl.models.tiny_omni import build_tiny_omni_model_dir as build
     elif multimodal(cfg):  # a built-in vision task: the tiny model with a vision tower
-        from streamrl.models.tiny_vl import build_tiny_vl_model_dir as build
+        from streamrl.models.tiny_vl import build_tiny_vl_model_dir
+
+        build = functools.partial(build_tiny_vl_model_dir, family=cfg.model.vision_family)
     build(
         tmp,
         hidden_size=cfg.model.hidden_size,

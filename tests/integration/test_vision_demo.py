@@ -4,8 +4,9 @@
   tiny Qwen2.5-VL learns to count coloured shapes in generated pictures, held-out accuracy from
   <= 0.4 to >= 0.8; each step logs the media it prepared and the feeder's share of the work.
 - A JSON-lines file whose rows keep images in each of the three layouts, with a missing and a
-  corrupt image among them, trains on a vision-language `model.path`: the bad rows are named in
-  the log, left out and counted by reason, and the run finishes.
+  corrupt image among them, trains on a vision-language `model.path` (a Qwen2.5-VL and a
+  Qwen3-VL one): the bad rows are named in the log, left out and counted by reason, the first
+  step's engine and trainer log-probs agree, and the run finishes.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def _png(color) -> bytes:
     return out.getvalue()
 
 
-def test_a_data_file_with_bad_images_trains_and_counts_them(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_data_file_with_bad_images_trains_and_counts_them(tmp_path, family):
     from streamrl.models.tiny_vl import build_tiny_vl_model_dir
 
-    model = build_tiny_vl_model_dir(tmp_path / "model", seed=0)
+    model = build_tiny_vl_model_dir(tmp_path / "model", family=family, seed=0)
     (tmp_path / "red.png").write_bytes(_png("red"))
     (tmp_path / "blue.png").write_bytes(_png("blue"))
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n not an image")
@@ -102,3 +104,4 @@ def test_a_data_file_with_bad_images_trains_and_counts_them(tmp_path):
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
     assert steps[-1]["media/dropped_missing"] == 1 and steps[-1]["media/dropped_corrupt"] == 1
     assert steps[-1]["media/prompts"] == 14  # every other row, prepared once
+    assert steps[0]["train/logprob_mismatch"] <= 1e-5, steps[0]["train/logprob_mismatch"]

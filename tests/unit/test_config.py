@@ -654,3 +654,14 @@ def test_every_example_config_loads(example):
     if example == "gsm8k_qwen.yaml":  # the GPU recipe: bf16 compute over fp32 master weights
         assert cfg.rollout.engine == "vllm" and cfg.model.dtype == "bfloat16"
         assert cfg.trainer.mixed_precision and cfg.trainer.device == "cuda"
+
+
+def test_vision_family_picks_the_built_in_vision_model_and_keys_its_warm_start() -> None:
+    from streamrl.trainer.sft import warm_start_key
+
+    qwen3 = load_config(["examples/vision.yaml", "model.vision_family=qwen3_vl"])
+    default = load_config(["examples/vision.yaml"])
+    assert warm_start_key(qwen3) != warm_start_key(default)
+    for args in (["data.task=arith"], ["examples/vision.yaml", "model.path=/some/model"]):
+        with pytest.raises(ConfigError, match="model.vision_family='qwen3_vl' picks the built-in"):
+            load_config([*args, "model.vision_family=qwen3_vl"])
