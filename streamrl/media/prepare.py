@@ -32,7 +32,11 @@ log = logging.getLogger(__name__)
 PROMPT_IDS = "input_ids"  # the entry's name for the expanded prompt
 MEDIA_PREFIX = "media."  # decoded media: "media.<i>.<kind>"
 # The processor's keyword for each kind's list of media.
+# What an entry holds changed (2: videos' frame rates and sampled frames): older entries are
+# not read back, their prompts are processed again.
+ENTRY_FORMAT = 2
 VIDEO_FPS = "video_fps"  # each video's frame rate, beside the processor's tensors
+VIDEO_FRAMES = "video_frames"  # the indices of the frames each video was sampled to, all videos'
 PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
 # Processor attributes naming the placeholder token of each kind, where a processor has one.
 PLACEHOLDER_ATTRS = {"image": "image_token", "video": "video_token", "audio": "audio_token"}
@@ -69,7 +73,7 @@ def processor_fingerprint(processor) -> str:
 def media_key(prompt: MultimodalPrompt, fingerprint: str, limits: MediaLimits) -> str:
     """The cache key of `prompt`: its conversation, its media's content, the processor, the
     limits."""
-    h = hashlib.sha256(fingerprint.encode())
+    h = hashlib.sha256(f"{ENTRY_FORMAT}:{fingerprint}".encode())
     h.update(json.dumps(prompt.messages, sort_keys=True).encode())
     h.update(repr(limits).encode())
     for ref in prompt.media:
@@ -134,18 +138,30 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
             )
         kwargs["sampling_rate"] = limits.audio_rate
         kwargs.update(_short_audio_padding(processor, kwargs["audio"]))
-    if "videos" in kwargs:  # the real frame rate times the video's positions
-        kwargs["video_metadata"] = [
-            {"fps": video_fps(ref, limits), "total_num_frames": len(medium)}
-            for medium, ref in zip(decoded, prompt.media, strict=True)
-            if ref.kind == "video"
+    if "videos" in kwargs:
+        # Frames sampled here, once (a processor that samples, as Qwen3-VL's, is asked which),
+        # so every engine takes the very frames the processor took; the real frame rate and the
+        # frames' indices time the video's positions (Qwen3-VL: its timestamps in the text).
+        videos = [i for i, ref in enumerate(prompt.media) if ref.kind == "video"]
+        rates = [video_fps(prompt.media[i], limits) for i in videos]
+        totals = [len(decoded[i]) for i in videos]
+        chosen = [
+            _sampled_frames(processor, total, fps) for total, fps in zip(totals, rates, strict=True)
         ]
+        for i, frames in zip(videos, chosen, strict=True):
+            decoded[i] = decoded[i][frames]
+        kwargs["videos"] = [decoded[i] for i in videos]
+        kwargs["video_metadata"] = [
+            {"fps": fps, "total_num_frames": total, "frames_indices": frames.tolist()}
+            for fps, total, frames in zip(rates, totals, chosen, strict=True)
+        ]
+        kwargs["do_sample_frames"] = False
     outputs = processor(text=[text], return_tensors="pt", **kwargs)
     entry = {PROMPT_IDS: outputs["input_ids"][0]}
-    if "videos" in kwargs:  # for an engine that processes the frames again (Qwen3-VL's
-        # timestamps in the prompt come from it); in float64, as the processor computed them
-        rates = [m["fps"] for m in kwargs["video_metadata"]]
+    if "videos" in kwargs:  # for an engine that processes the frames again: float64, as the
+        # processor computed the timestamps with them
         entry[VIDEO_FPS] = torch.tensor(rates, dtype=torch.float64)
+        entry[VIDEO_FRAMES] = torch.from_numpy(np.concatenate(chosen))
     for name, value in outputs.items():
         # Per-token types and masks are the batch's to build (padding moves the tokens).
         per_token = ("input_ids", "attention_mask", "mm_token_type_ids")
@@ -161,6 +177,18 @@ def _process(prompt: MultimodalPrompt, processor, limits: MediaLimits) -> dict[s
     for i, (medium, ref) in enumerate(zip(decoded, prompt.media, strict=True)):
         entry[f"{MEDIA_PREFIX}{i}.{ref.kind}"] = torch.from_numpy(np.array(medium))
     return entry
+
+
+def _sampled_frames(processor, num_frames: int, fps: float) -> np.ndarray:
+    """Indices of the frames of a `num_frames` clip at `fps` the processor's video processor
+    takes: those its `sample_frames` picks where it samples (`do_sample_frames`), else all."""
+    from transformers.video_utils import VideoMetadata
+
+    video = getattr(processor, "video_processor", None)
+    if getattr(video, "do_sample_frames", False) and hasattr(video, "sample_frames"):
+        metadata = VideoMetadata(total_num_frames=num_frames, fps=fps)
+        return np.asarray(video.sample_frames(metadata), dtype=np.int64)
+    return np.arange(num_frames, dtype=np.int64)
 
 
 def _short_audio_padding(processor, clips) -> dict[str, Any]:

@@ -56,6 +56,7 @@ PROCESSOR_FAMILIES: dict[str, tuple[int, float | None]] = {
     "qwen2_5_vl": (14, None),
     "qwen3_vl": (16, 0.5),
 }
+QWEN3_TINY_FRAMES = 8  # frames of the largest size a tiny Qwen3-VL's clip may have
 QWEN_VL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _VLLM_SHIMS_INSTALLED = False
 # The per-call settings that fall back to the instance's (besides `size`).
@@ -131,11 +132,6 @@ class NumpyQwen2VLVideoProcessor(VideoProcessorMixin):
         `video_metadata`; without it each video gets fps 24 with every frame sampled."""
         from transformers import BatchFeature
 
-        if kwargs.get("do_sample_frames"):
-            raise ValueError(
-                "NumpyQwen2VLVideoProcessor does not sample frames: pass the frames to use "
-                "(do_sample_frames=False)"
-            )
         opts = {
             key: kwargs[key] if kwargs.get(key) is not None else getattr(self, key)
             for key in SETTINGS
@@ -148,14 +144,16 @@ class NumpyQwen2VLVideoProcessor(VideoProcessorMixin):
 
         all_patches, grids = [], []
         batch = [np.asarray(video) for video in make_batched_videos(videos)]
+        metadata = _metadata(kwargs.get("video_metadata"), batch)
+        batch = self._sample(batch, metadata, kwargs)
         for video in batch:
-            frames = self._frames(
-                video,
-                min_pixels=size["shortest_edge"],
-                max_pixels=size["longest_edge"],
-                do_resize=opts["do_resize"],
-                factor=opts["patch_size"] * opts["merge_size"],
-            )
+            _check_video(video)
+            height, width = video.shape[1:3]
+            if opts["do_resize"]:
+                height, width = self._resized(
+                    len(video), height, width, size, opts["patch_size"] * opts["merge_size"]
+                )
+            frames = self._frames(video, height, width)
             if opts["do_rescale"]:
                 frames = frames * np.float32(opts["rescale_factor"])
             if opts["do_normalize"]:
@@ -172,27 +170,42 @@ class NumpyQwen2VLVideoProcessor(VideoProcessorMixin):
             "video_grid_thw": np.asarray(grids, dtype=np.int64),
         }
         if kwargs.get("return_metadata"):
-            data["video_metadata"] = _metadata(kwargs.get("video_metadata"), batch)
+            data["video_metadata"] = metadata
         return BatchFeature(
             data,
             tensor_type=kwargs.get("return_tensors"),
             skip_tensor_conversion=["video_metadata"],
         )
 
-    @staticmethod
-    def _frames(
-        video: np.ndarray, *, min_pixels: int, max_pixels: int, do_resize: bool, factor: int
-    ) -> np.ndarray:
-        """(T, H, W, 3) uint8 -> (T, 3, H', W') float32, resized like the PIL image processor."""
-        if video.ndim != 4 or video.shape[-1] not in (1, 3):
+    def _sample(
+        self, batch: list[np.ndarray], metadata: list[VideoMetadata], kwargs: dict[str, Any]
+    ) -> list[np.ndarray]:
+        """The frames each video is processed with: all of them (Qwen2-VL's processor takes
+        the frames it is given)."""
+        if kwargs.get("do_sample_frames"):
             raise ValueError(
-                f"a video must be (T, H, W, 3) or a list of HxWx3 frames, got shape {video.shape}"
+                f"{type(self).__name__} does not sample frames: pass the frames to use "
+                "(do_sample_frames=False)"
             )
-        height, width = video.shape[1:3]
-        if do_resize:
-            height, width = smart_resize(
-                height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
-            )
+        return batch
+
+    def _resized(
+        self, num_frames: int, height: int, width: int, size: dict[str, int], factor: int
+    ) -> tuple[int, int]:
+        """(height, width) every frame is resized to: each frame's area within the size's
+        bounds, as the PIL image processor resizes an image."""
+        return smart_resize(
+            height,
+            width,
+            factor=factor,
+            min_pixels=size["shortest_edge"],
+            max_pixels=size["longest_edge"],
+        )
+
+    @staticmethod
+    def _frames(video: np.ndarray, height: int, width: int) -> np.ndarray:
+        """(T, H, W, 3) uint8 -> (T, 3, height, width) float32, resized like the PIL image
+        processor (bicubic)."""
         frames = []
         for frame in video:
             image = Image.fromarray(np.asarray(frame, dtype=np.uint8).squeeze()).convert("RGB")
@@ -206,17 +219,91 @@ class NumpyQwen2VLVideoProcessor(VideoProcessorMixin):
     ) -> int:
         """The number of patches (before merging) a video of this size becomes."""
         kwargs = videos_kwargs or {}
-        size = kwargs.get("size") or self.size
+        size = _edges(kwargs.get("size") or self.size)
         factor = self.patch_size * self.merge_size
-        height, width = smart_resize(
-            height,
-            width,
+        height, width = self._resized(num_frames, height, width, size, factor)
+        grid_t = -(-num_frames // self.temporal_patch_size)
+        return grid_t * (height // self.patch_size) * (width // self.patch_size)
+
+
+class NumpyQwen3VLVideoProcessor(NumpyQwen2VLVideoProcessor):
+    """Qwen3-VL's video processor (`Qwen3VLVideoProcessor`, torchvision only) in numpy and PIL,
+    with its settings' meanings: frames are sampled `fps` a second of the clip (at least
+    `min_frames`, at most `max_frames`, never more than the clip has) unless
+    `do_sample_frames` is off, and the sampled indices go into the returned metadata, from
+    which the Qwen3-VL processor writes each time step's timestamp; every frame of a clip is
+    resized to one size whose area summed over the clip's frames lies within the size's bounds
+    (Qwen2-VL bounds one frame). Frames are resized with PIL's bicubic filter, where the
+    upstream processor uses torchvision's: the pixels differ by interpolation rounding, the
+    same for every role, since all of them take the feeder's output (vLLM runs this same
+    class)."""
+
+    def __init__(
+        self,
+        *,
+        fps: float = 2.0,
+        min_frames: int = 4,
+        max_frames: int = 768,
+        do_sample_frames: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        for unused in ("num_frames", "cap_pixels_per_frame", "max_video_tokens", "resample"):
+            kwargs.pop(unused, None)
+        kwargs.setdefault("size", {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768})
+        kwargs.setdefault("image_mean", [0.5] * 3)
+        kwargs.setdefault("image_std", [0.5] * 3)
+        kwargs.setdefault("patch_size", 16)
+        super().__init__(**kwargs)
+        self.fps = fps
+        self.min_frames = min_frames
+        self.max_frames = max_frames
+        self.do_sample_frames = do_sample_frames
+
+    def _sample(
+        self, batch: list[np.ndarray], metadata: list[VideoMetadata], kwargs: dict[str, Any]
+    ) -> list[np.ndarray]:
+        sample = kwargs.get("do_sample_frames")
+        if not (self.do_sample_frames if sample is None else sample):
+            return batch
+        out = []
+        for video, meta in zip(batch, metadata, strict=True):
+            meta.total_num_frames = len(video)
+            indices = self.sample_frames(meta, fps=kwargs.get("fps"))
+            meta.frames_indices = indices.tolist()
+            out.append(video[indices])
+        return out
+
+    def sample_frames(self, metadata: VideoMetadata, fps: float | None = None) -> np.ndarray:
+        """Indices of the frames a clip (`metadata`: its frame count and rate, 24 if unknown)
+        is sampled to: `fps` (default the processor's) frames a second, at least `min_frames`
+        and at most `max_frames`, never more than it has, evenly spread."""
+        total = metadata.total_num_frames
+        rate = metadata.fps if metadata.fps is not None else 24.0
+        wanted = int(total / rate * (fps or self.fps))
+        wanted = min(max(wanted, self.min_frames), self.max_frames, total)
+        return np.linspace(0, total - 1, wanted).round().astype(int)
+
+    def _resized(
+        self, num_frames: int, height: int, width: int, size: dict[str, int], factor: int
+    ) -> tuple[int, int]:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip
+
+        return clip(
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            temporal_factor=self.temporal_patch_size,
             factor=factor,
             min_pixels=size["shortest_edge"],
             max_pixels=size["longest_edge"],
         )
-        grid_t = -(-num_frames // self.temporal_patch_size)
-        return grid_t * (height // self.patch_size) * (width // self.patch_size)
+
+
+def _check_video(video: np.ndarray) -> None:
+    if video.ndim != 4 or video.shape[-1] not in (1, 3):
+        raise ValueError(
+            f"a video must be (T, H, W, 3) or a list of HxWx3 frames, got shape {video.shape}"
+        )
 
 
 def video_patches(
@@ -313,12 +400,17 @@ def install_transformers_shims() -> None:
 
     if "VideoProcessorMixin" not in vars(transformers):
         transformers.VideoProcessorMixin = VideoProcessorMixin
-    for config_class in (Qwen2_5_VLConfig, Qwen3VLConfig):
+    for config_class, ours, upstream in (
+        (Qwen2_5_VLConfig, NumpyQwen2VLVideoProcessor, "Qwen2VLVideoProcessor"),
+        (Qwen3VLConfig, NumpyQwen3VLVideoProcessor, "Qwen3VLVideoProcessor"),
+    ):
         registered = VIDEO_PROCESSOR_MAPPING._extra_content.get(config_class) or {}
-        if registered.get("torchvision") is not NumpyQwen2VLVideoProcessor:
+        if registered.get("torchvision") is not ours:
+            # The upstream class's name beside ours: a model directory saved with the
+            # upstream processor names it, and the lookup then finds this entry.
             AutoVideoProcessor.register(
                 config_class,
-                video_processor_classes={"torchvision": NumpyQwen2VLVideoProcessor},
+                video_processor_classes={"torchvision": ours, "upstream": upstream},
                 exist_ok=True,
             )
 
@@ -360,31 +452,34 @@ def install_vllm_shims() -> None:
 
 
 def vision_processors(
-    min_pixels: int, max_pixels: int, *, patch_size: int = PATCH_SIZE, mean_std: float | None = None
+    min_pixels: int, max_pixels: int, *, family: str = "qwen2_5_vl"
 ) -> tuple[Any, Any]:
     """(image processor, video processor) of the tiny models: the PIL image processor and the
-    numpy video processor, both resizing to [min_pixels, max_pixels] with the same patch size
-    and mean/std (`mean_std`: that value for every channel's mean and std, as Qwen3-VL's 0.5;
-    None: CLIP's, as Qwen2.5-VL's)."""
+    numpy video processor of the family, with its patch size and mean/std, resizing images and
+    frames to [min_pixels, max_pixels] (Qwen3-VL: up to `QWEN3_TINY_FRAMES` frames of that
+    size; its own processor bounds a clip's pixels over all of its frames)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     install_transformers_shims()
+    patch_size, mean_std = PROCESSOR_FAMILIES[family]
     normalise = (
         {} if mean_std is None else {"image_mean": [mean_std] * 3, "image_std": [mean_std] * 3}
     )
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, **normalise
     )
-    video_processor = NumpyQwen2VLVideoProcessor(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
+    same = dict(
         patch_size=patch_size,
         image_mean=list(image_processor.image_mean),
         image_std=list(image_processor.image_std),
     )
-    return image_processor, video_processor
+    if family == "qwen3_vl":
+        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels * QWEN3_TINY_FRAMES}
+        return image_processor, NumpyQwen3VLVideoProcessor(size=size, **same)
+    video = NumpyQwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels, **same)
+    return image_processor, video
 
 
 def build_processor(
@@ -402,10 +497,7 @@ def build_processor(
 
     if family not in PROCESSOR_FAMILIES:
         raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
-    patch_size, mean_std = PROCESSOR_FAMILIES[family]
-    image_processor, video_processor = vision_processors(
-        min_pixels, max_pixels, patch_size=patch_size, mean_std=mean_std
-    )
+    image_processor, video_processor = vision_processors(min_pixels, max_pixels, family=family)
     processor_class = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
     return processor_class(
         image_processor=image_processor,

@@ -29,7 +29,7 @@ import numpy as np
 
 from streamrl.api.engine import GenerationRequest
 from streamrl.config.schema import VllmConfig
-from streamrl.media.prepare import VIDEO_FPS
+from streamrl.media.prepare import VIDEO_FPS, VIDEO_FRAMES
 
 # Set (to "1") in the environment the processes of a vision-language model's engine start with:
 # a vLLM worker process imports this module as the worker extension before it loads the model,
@@ -123,6 +123,8 @@ class VisionInputs:
         uuids: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
         seconds = media.get("second_per_grid_ts")
         rates = media.get(VIDEO_FPS)
+        sampled = media.get(VIDEO_FRAMES)
+        first_frame = 0  # the current video's first entry in `sampled`
         for i, (kind, array) in enumerate(media["decoded"]):
             if kind == "audio":
                 # Samples at the feature extractor's rate: the feeder's processor (the model
@@ -139,9 +141,12 @@ class VisionInputs:
                 else:  # a store entry from before the rate was kept: from the time step
                     step = None if seconds is None else float(seconds[n])
                     fps = self.temporal_patch_size / (step or 1.0)
-                data["video"].append(
-                    (np.asarray(array, dtype=np.uint8), self._metadata(array, fps))
-                )
+                indices = None
+                if sampled is not None:
+                    indices = np.asarray(sampled[first_frame : first_frame + len(array)])
+                    first_frame += len(array)
+                frames = np.asarray(array, dtype=np.uint8)
+                data["video"].append((frames, self._metadata(array, fps, indices)))
             uuids[kind].append(f"{media.get('key')}.{i}")
         data = {kind: items for kind, items in data.items() if items}
         prompt = TokensPrompt(prompt_token_ids=[*ids, *response_ids], multi_modal_data=data)
@@ -247,9 +252,9 @@ class VisionInputs:
                 pos = ids.index(start, pos) + 1
         return pos
 
-    def _metadata(self, frames: Any, fps: float) -> dict[str, Any]:
-        """vLLM's video metadata for `frames` as they are (no frame sampling), at the frame
-        rate the feeder's processor timed them with (the prompt's `video_fps`; else derived
+    def _metadata(self, frames: Any, fps: float, indices: Any = None) -> dict[str, Any]:
+        """vLLM's video metadata for `frames` as they are (no frame sampling: the feeder
+        sampled them, and `indices` say which of the clip's frames they are), at the frame rate the feeder's processor timed them with (the prompt's `video_fps`; else derived
         from its `second_per_grid_ts`, a time step of `temporal_patch_size` frames; 1 s a step
         without one, the model's own default)."""
         num_frames = len(frames)
@@ -257,7 +262,10 @@ class VisionInputs:
             "fps": fps,
             "duration": num_frames / fps,
             "total_num_frames": num_frames,
-            "frames_indices": list(range(num_frames)),
+            # plain ints: an engine core in its own process gets these through msgpack
+            "frames_indices": list(range(num_frames))
+            if indices is None
+            else list(map(int, indices)),
             "video_backend": "opencv",
             "do_sample_frames": False,
         }

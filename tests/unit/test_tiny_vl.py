@@ -227,3 +227,62 @@ def test_without_mm_token_type_ids_positions_fall_back_and_log_probs_drift(
     forgotten_gap = (forgotten - vllm_logprobs).abs()[after:].mean()
     # A random tiny model is nearly position-blind; the gap is still far beyond fp32 noise.
     assert forgotten_gap > 1e-4 and forgotten_gap > 100 * right_gap, (forgotten_gap, right_gap)
+
+
+def _upstream_processor_dir(tmp_path: Path, family: str) -> Path:
+    """A tiny model directory whose processor config names the upstream (torchvision-only)
+    video processor with its released settings, as a downloaded Qwen2.5-VL or Qwen3-VL has."""
+    import json
+
+    out = build_tiny_vl_model_dir(tmp_path / family, family=family)
+    config = json.loads((out / "processor_config.json").read_text())
+    video = config["video_processor"]
+    if family == "qwen3_vl":
+        video.update(
+            video_processor_type="Qwen3VLVideoProcessor",
+            size={"longest_edge": 25165824, "shortest_edge": 4096},
+            fps=2,
+            min_frames=4,
+            max_frames=768,
+            do_sample_frames=True,
+        )
+    else:
+        video.update(video_processor_type="Qwen2VLVideoProcessor")
+    (out / "processor_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_directory_naming_the_upstream_video_processor_loads(tmp_path, family) -> None:
+    from streamrl.models.processors import NumpyQwen3VLVideoProcessor
+
+    processor = load_processor(_upstream_processor_dir(tmp_path, family))
+    ours = NumpyQwen3VLVideoProcessor if family == "qwen3_vl" else NumpyQwen2VLVideoProcessor
+    assert type(processor.video_processor) is ours
+    if family == "qwen3_vl":
+        assert processor.video_processor.size["longest_edge"] == 25165824
+        assert processor.video_processor.fps == 2 and processor.video_processor.do_sample_frames
+
+
+def test_qwen3_vl_samples_frames_and_writes_their_timestamps(tmp_path) -> None:
+    """16 frames at 8 a second (2 s) sampled at 2 a second: 4 frames (0, 5, 10, 15), two time
+    steps, each after its timestamp (the mean time of its two frames); the clip's pixels over
+    all its frames are what the size bounds (Qwen3-VL's rule), so 64 x 64 frames stay whole."""
+    processor = load_processor(_upstream_processor_dir(tmp_path, "qwen3_vl"))
+    frames = np.stack([_frame(t, 64) for t in range(16)])
+    metadata = {"fps": 8.0, "total_num_frames": 16}
+    out = processor(
+        text=[_prompt(processor, "video")],
+        videos=[frames],
+        video_metadata=[metadata],
+        return_tensors="pt",
+    )
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4]]
+    text = processor.tokenizer.decode(out["input_ids"][0])
+    assert "<0.3 seconds>" in text and "<1.6 seconds>" in text, text
+    sampled = processor.video_processor(
+        videos=[frames[[0, 5, 10, 15]]], do_sample_frames=False, return_tensors="np"
+    )
+    np.testing.assert_array_equal(
+        out["pixel_values_videos"].numpy(), sampled["pixel_values_videos"]
+    )

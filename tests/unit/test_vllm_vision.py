@@ -180,6 +180,34 @@ def test_image_video_and_text_log_probs_are_the_trainers(engine, model, requests
     )
 
 
+def test_a_clip_the_feeder_samples_reaches_vllm_as_sampled(
+    engine, model, vl_dir, tmp_path_factory
+) -> None:
+    """A processor that samples frames (Qwen3-VL's: 2 a second) takes 4 of a 16-frame clip at 8
+    a second; vLLM gets those 4 with their indices, writes the same timestamps, and agrees."""
+    if model.config.model_type != "qwen3_vl":
+        pytest.skip("Qwen2.5-VL's processor takes every frame it is given")
+    folder = tmp_path_factory.mktemp("clip")
+    frames = np.zeros((16, 56, 56, 3), np.uint8)
+    for t in range(16):  # a square moving right, 2 pixels a frame
+        frames[t, 20:36, 2 + 2 * t : 18 + 2 * t] = (200, 30, 30)
+    np.save(folder / "clip.npy", frames)
+    store = MediaCache(folder / "media")
+    preparer = MediaPreparer(load_processor(vl_dir), store, MediaLimits(max_frames=16, video_fps=8))
+    content = [{"type": "video"}, {"type": "text", "text": "Which way?"}]
+    prompt = MultimodalPrompt(
+        [{"role": "user", "content": content}], (MediaRef("video", path=str(folder / "clip.npy")),)
+    )
+    prepared = preparer.prepare(prompt, "test prompt")
+    (media,) = row_media([{F.PROMPT_IDS: prepared.prompt_ids, F.MEDIA: bus_value(prepared, store)}])
+    assert media["video_frames"].tolist() == [0, 5, 10, 15] and len(media["decoded"][0][1]) == 4
+    requests = [GenerationRequest("clip", [int(t) for t in prepared.prompt_ids], media)]
+    reset(engine, model)
+    results = engine.generate(requests, SamplingParams(max_new_tokens=10, temperature=1.0, seed=5))
+    gap = gaps(model, requests, results)
+    assert float(gap.mean()) <= MEAN_TOLERANCE, (float(gap.mean()), float(gap.max()))
+
+
 def test_an_update_reaches_the_vision_tower_and_the_image_can_come_again(
     engine, model, requests
 ) -> None:
