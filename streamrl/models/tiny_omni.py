@@ -92,7 +92,7 @@ def tiny_omni_config(
     `audio_layers` audio encoder and the smallest vision tower the config takes (one block)."""
     from transformers import Qwen2_5OmniConfig
 
-    from streamrl.models.tiny_vl import tiny_text_config
+    from streamrl.models.tiny_vl import tiny_text_config, vision_tower_shape
 
     text_config = tiny_text_config(
         tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
@@ -107,14 +107,7 @@ def tiny_omni_config(
         d_model=audio_hidden,
         output_dim=hidden_size,
     )
-    vision_config = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=1,
-        out_hidden_size=hidden_size,
-        fullatt_block_indexes=[0],
-    )
+    vision_config = {**vision_tower_shape(1, 32, hidden_size), "fullatt_block_indexes": [0]}
     thinker_config = dict(
         text_config=text_config,
         audio_config=audio_config,

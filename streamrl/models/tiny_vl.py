@@ -87,6 +87,29 @@ def tiny_text_config(
     )
 
 
+def vision_tower_shape(depth: int, width: int, out_width: int) -> dict[str, int]:
+    """The size settings of a tiny Qwen-VL vision tower: `depth` blocks `width` wide (heads of
+    32), its merged features `out_width` wide (the language model's)."""
+    return dict(
+        depth=depth,
+        hidden_size=width,
+        intermediate_size=width * 2,
+        num_heads=max(1, width // 32),
+        out_hidden_size=out_width,
+    )
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """A Qwen-VL config's placeholder and vision start/end token ids in `tokenizer`."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        image_token_id=ids(IMAGE_PAD),
+        video_token_id=ids(VIDEO_PAD),
+        vision_start_token_id=ids(VISION_START),
+        vision_end_token_id=ids(VISION_END),
+    )
+
+
 def tiny_qwen2_5_vl_config(
     tokenizer,
     *,
@@ -103,22 +126,11 @@ def tiny_qwen2_5_vl_config(
     text_config = tiny_text_config(
         tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
     )
-    ids = tokenizer.convert_tokens_to_ids
-    vision_config = dict(
-        depth=vision_depth,
-        hidden_size=vision_hidden,
-        intermediate_size=vision_hidden * 2,
-        num_heads=max(1, vision_hidden // 32),
-        out_hidden_size=hidden_size,
-        fullatt_block_indexes=[vision_depth - 1],
-    )
+    vision_config = vision_tower_shape(vision_depth, vision_hidden, hidden_size)
     return Qwen2_5_VLConfig(
         text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids(IMAGE_PAD),
-        video_token_id=ids(VIDEO_PAD),
-        vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END),
+        vision_config={**vision_config, "fullatt_block_indexes": [vision_depth - 1]},
+        **vision_token_ids(tokenizer),
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -156,13 +168,8 @@ def tiny_qwen3_vl_config(
     )
     patch = PROCESSOR_FAMILIES["qwen3_vl"][0]
     side = math.isqrt(max_pixels) // patch + 1
-    ids = tokenizer.convert_tokens_to_ids
     vision_config = dict(
-        depth=vision_depth,
-        hidden_size=vision_hidden,
-        intermediate_size=vision_hidden * 2,
-        num_heads=max(1, vision_hidden // 32),
-        out_hidden_size=hidden_size,
+        **vision_tower_shape(vision_depth, vision_hidden, hidden_size),
         patch_size=patch,
         num_position_embeddings=side * side,
         # Not into the last decoder layer, whose output at an image token reaches no later
@@ -172,10 +179,7 @@ def tiny_qwen3_vl_config(
     return Qwen3VLConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids(IMAGE_PAD),
-        video_token_id=ids(VIDEO_PAD),
-        vision_start_token_id=ids(VISION_START),
-        vision_end_token_id=ids(VISION_END),
+        **vision_token_ids(tokenizer),
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
