@@ -451,6 +451,14 @@ def install_vllm_shims() -> None:
     globals()["_VLLM_SHIMS_INSTALLED"] = True
 
 
+def processor_family(family: str) -> tuple[int, float | None]:
+    """(patch size, every channel's mean and std; None: CLIP's) of a tiny model family's
+    processor; an unknown family is an error naming the known ones."""
+    if family not in PROCESSOR_FAMILIES:
+        raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
+    return PROCESSOR_FAMILIES[family]
+
+
 def vision_processors(
     min_pixels: int, max_pixels: int, *, family: str = "qwen2_5_vl"
 ) -> tuple[Any, Any]:
@@ -463,7 +471,7 @@ def vision_processors(
     )
 
     install_transformers_shims()
-    patch_size, mean_std = PROCESSOR_FAMILIES[family]
+    patch_size, mean_std = processor_family(family)
     normalise = (
         {} if mean_std is None else {"image_mean": [mean_std] * 3, "image_std": [mean_std] * 3}
     )
@@ -495,8 +503,6 @@ def build_processor(
     image processor and the numpy video processor, both resizing to [min_pixels, max_pixels]."""
     from transformers import Qwen2_5_VLProcessor, Qwen3VLProcessor
 
-    if family not in PROCESSOR_FAMILIES:
-        raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
     image_processor, video_processor = vision_processors(min_pixels, max_pixels, family=family)
     processor_class = Qwen3VLProcessor if family == "qwen3_vl" else Qwen2_5_VLProcessor
     return processor_class(

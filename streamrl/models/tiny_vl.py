@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from streamrl.models.processors import PROCESSOR_FAMILIES, build_processor
+from streamrl.models.processors import build_processor, processor_family
 from streamrl.models.tokenizer import build_tokenizer
 
 VISION_START = "<|vision_start|>"
@@ -166,7 +166,7 @@ def tiny_qwen3_vl_config(
     text_config["rope_parameters"].update(
         mrope_section=[half - 2 * spatial, spatial, spatial], mrope_interleaved=True
     )
-    patch = PROCESSOR_FAMILIES["qwen3_vl"][0]
+    patch = processor_family("qwen3_vl")[0]
     side = math.isqrt(max_pixels) // patch + 1
     vision_config = dict(
         **vision_tower_shape(vision_depth, vision_hidden, hidden_size),
@@ -206,9 +206,7 @@ def build_tiny_vl_model_dir(
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    if family not in PROCESSOR_FAMILIES:
-        raise ValueError(f"family must be one of {sorted(PROCESSOR_FAMILIES)}, got {family!r}")
-    factor = PROCESSOR_FAMILIES[family][0] * 2  # one merged token's side in pixels
+    factor = processor_family(family)[0] * 2  # one merged token's side in pixels
     min_pixels = min_pixels if min_pixels is not None else factor * factor
     max_pixels = max_pixels if max_pixels is not None else (4 * factor) ** 2
     tokenizer = build_vl_tokenizer()

@@ -51,13 +51,12 @@ def audio_tokens(num_frames: int) -> int:
 @dataclass(frozen=True)
 class VisionInputs:
     """How a Qwen-VL or Omni thinker's requests reach vLLM: the placeholder token of each kind,
-    how many a medium expands to (`merge_size`), the video time step (`temporal_patch_size`
-    frames), and the placeholders as the `bad_words` that keep them from being sampled."""
+    how many a medium expands to (`merge_size`), and the placeholders as the `bad_words` that
+    keep them from being sampled."""
 
     placeholders: dict[str, int]
     bad_words: tuple[str, ...]
     merge_size: int
-    temporal_patch_size: int
     # Qwen3-VL: (vision start, vision end) token ids, between which each time step of a video
     # sits after its timestamp; None for models that write a video as one run of placeholders.
     video_steps: tuple[int, int] | None = None
@@ -99,7 +98,6 @@ class VisionInputs:
             placeholders,
             words,
             int(vision.spatial_merge_size),
-            int(vision.temporal_patch_size),
             steps,
         )
 
@@ -121,9 +119,7 @@ class VisionInputs:
         ids = self._collapse(request, sizes)
         data: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
         uuids: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
-        seconds = media.get("second_per_grid_ts")
-        rates = media.get(VIDEO_FPS)
-        sampled = media.get(VIDEO_FRAMES)
+        rates, sampled = media.get(VIDEO_FPS), media.get(VIDEO_FRAMES)
         first_frame = 0  # the current video's first entry in `sampled`
         for i, (kind, array) in enumerate(media["decoded"]):
             if kind == "audio":
@@ -135,18 +131,17 @@ class VisionInputs:
 
                 data["image"].append(Image.fromarray(np.asarray(array, dtype=np.uint8)))
             else:
-                n = len(data["video"])
-                if rates is not None:
-                    fps = float(rates[n])
-                else:  # a store entry from before the rate was kept: from the time step
-                    step = None if seconds is None else float(seconds[n])
-                    fps = self.temporal_patch_size / (step or 1.0)
-                indices = None
-                if sampled is not None:
-                    indices = np.asarray(sampled[first_frame : first_frame + len(array)])
-                    first_frame += len(array)
+                if rates is None or sampled is None:
+                    raise ValueError(
+                        f"request {request.request_id!r}: its video comes without the frame "
+                        f"rate and frame indices the feeder stores with it ({VIDEO_FPS}, "
+                        f"{VIDEO_FRAMES}); prepare multimodal prompts with the feeder's preparer"
+                    )
+                indices = sampled[first_frame : first_frame + len(array)]
+                first_frame += len(array)
+                fps = float(rates[len(data["video"])])
                 frames = np.asarray(array, dtype=np.uint8)
-                data["video"].append((frames, self._metadata(array, fps, indices)))
+                data["video"].append((frames, self._metadata(fps, indices)))
             uuids[kind].append(f"{media.get('key')}.{i}")
         data = {kind: items for kind, items in data.items() if items}
         prompt = TokensPrompt(prompt_token_ids=[*ids, *response_ids], multi_modal_data=data)
@@ -252,20 +247,18 @@ class VisionInputs:
                 pos = ids.index(start, pos) + 1
         return pos
 
-    def _metadata(self, frames: Any, fps: float, indices: Any = None) -> dict[str, Any]:
-        """vLLM's video metadata for `frames` as they are (no frame sampling: the feeder
-        sampled them, and `indices` say which of the clip's frames they are), at the frame rate the feeder's processor timed them with (the prompt's `video_fps`; else derived
-        from its `second_per_grid_ts`, a time step of `temporal_patch_size` frames; 1 s a step
-        without one, the model's own default)."""
-        num_frames = len(frames)
+    @staticmethod
+    def _metadata(fps: float, indices: Any) -> dict[str, Any]:
+        """vLLM's video metadata for the frames the feeder sampled (`indices`: which of the
+        clip's frames they are), at the clip's rate `fps`: vLLM samples nothing again and
+        times the frames as the feeder's processor did."""
+        num_frames = len(indices)
         return {
             "fps": fps,
             "duration": num_frames / fps,
             "total_num_frames": num_frames,
             # plain ints: an engine core in its own process gets these through msgpack
-            "frames_indices": list(range(num_frames))
-            if indices is None
-            else list(map(int, indices)),
+            "frames_indices": [int(i) for i in indices],
             "video_backend": "opencv",
             "do_sample_frames": False,
         }
