@@ -79,9 +79,10 @@ class PromptFeeder:
         """Group ids of round `round_index` of batch `batch_index`, in prompt order."""
         return [group_id(batch_index, j, round_index) for j in range(self.batch_prompts)]
 
-    def batch(self, batch_index: int, round_index: int = 0) -> list[dict[str, Any]]:
-        """Bus rows (see `Bus.add_rows`) for every sample of batch `batch_index` (round 0) or of
-        its refill round `round_index` (1 .. max_rounds - 1)."""
+    def prompts(self, batch_index: int, round_index: int = 0) -> list[int]:
+        """Dataset indices of the prompts of batch `batch_index` (round `round_index`), each
+        encoded (its media prepared and stored): what `batch` puts on the bus. Calling it ahead
+        of `batch` does the encoding then, so that `batch` itself is quick."""
         if not 0 <= round_index < self.max_rounds:
             raise ValueError(
                 f"round {round_index} is outside 0 .. {self.max_rounds - 1} (max_rounds)"
@@ -100,6 +101,14 @@ class PromptFeeder:
                 if skipped >= len(self.rows):
                     raise ValueError("no prompt of the training data has usable media")
                 idx = self._prompt_index(position + skipped, stream)
+            out.append(idx)
+        return out
+
+    def batch(self, batch_index: int, round_index: int = 0) -> list[dict[str, Any]]:
+        """Bus rows (see `Bus.add_rows`) for every sample of batch `batch_index` (round 0) or of
+        its refill round `round_index` (1 .. max_rounds - 1)."""
+        out = []
+        for j, idx in enumerate(self.prompts(batch_index, round_index)):
             row = self.rows[idx]
             gid = group_id(batch_index, j, round_index)
             fields = {F.PROMPT_IDS: self._prompt_ids[idx], F.ANSWER: row.answer, F.EXTRA: row.extra}

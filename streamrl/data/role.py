@@ -50,21 +50,32 @@ class FeederRole(RoleBase):
         self.reserve_groups = reserve_groups
         self.newest_batch = newest_batch
         self.wait_for_batch = wait_for_batch
+        self.prepared_batch = start_batch - 1  # the newest batch whose prompts are encoded
 
     def step(self) -> bool:
         if self.next_batch >= self.end_batch:
             return False
+        # The next batch's prompts are encoded (media prepared) while it may not be added yet,
+        # so that when room opens the batch goes on the bus at once: preparing media then
+        # never holds back a rollout that has room for it.
+        ahead = self.prepared_batch < self.next_batch
+        wait_s = 0.0 if ahead else self.long_poll_s
         # The policy version first: while it rules the next batch out, the bus is not asked.
         if self.newest_batch is not None and self.next_batch > self.newest_batch():
-            if self.wait_for_batch is not None and self.long_poll_s > 0:
-                self.wait_for_batch(self.next_batch, self.long_poll_s)
+            if ahead:
+                return self._prepare_next()
+            if self.wait_for_batch is not None and wait_s > 0:
+                self.wait_for_batch(self.next_batch, wait_s)
             return False
-        if not self.bus.can_add(
-            self.feeder.batch_prompts + self.reserve_groups, wait_s=self.long_poll_s
-        ):
-            return False
+        if not self.bus.can_add(self.feeder.batch_prompts + self.reserve_groups, wait_s=wait_s):
+            return self._prepare_next() if ahead else False
         self.bus.add_rows(self.feeder.batch(self.next_batch))
         self.next_batch += 1
+        return True
+
+    def _prepare_next(self) -> bool:
+        self.feeder.prompts(self.next_batch)
+        self.prepared_batch = self.next_batch
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -14,11 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl.api import fields as F
+from streamrl.api.role import LoopPolicy
 from streamrl.config import ConfigError, load_config
 from streamrl.data.arith import has_carry, is_eval_pair, sample_problems, worked_solution
 from streamrl.data.dataset import MAX_WARNINGS, PromptRow, builtin_rows, load_rows
 from streamrl.data.feeder import PromptFeeder
 from streamrl.data.prompts import encode_prompt, encode_response, prompt_lengths_over
+from streamrl.data.role import FeederRole
 from streamrl.models.tokenizer import build_tokenizer
 from streamrl.runtime.context import hold_out, load_datasets, prepare
 
@@ -605,6 +607,49 @@ def test_each_epoch_visits_every_prompt_once(rows: list[PromptRow], tokenizer) -
             for r in feeder.batch(b)[::GROUP_SIZE]
         ]
         assert sorted(answers) == sorted(row.answer for row in rows)
+
+
+class _CountingFeeder(PromptFeeder):
+    """A feeder that counts the prompts it encodes (where a multimodal one prepares media)."""
+
+    encoded = 0
+
+    def _encode(self, idx: int) -> bool:
+        self.encoded += idx not in self._prompt_ids
+        return super()._encode(idx)
+
+
+class _Bus:
+    def __init__(self):
+        self.room, self.waits, self.added = False, [], []
+
+    def can_add(self, num_groups: int, wait_s: float = 0.0) -> bool:
+        self.waits.append(wait_s)
+        return self.room
+
+    def add_rows(self, rows) -> None:
+        self.added.append(rows)
+
+
+def test_the_feeder_role_encodes_the_next_batch_while_the_bus_is_full(
+    rows: list[PromptRow], tokenizer
+) -> None:
+    bus = _Bus()
+    feeder = _CountingFeeder(
+        rows, tokenizer, batch_prompts=BATCH_PROMPTS, group_size=GROUP_SIZE, seed=0
+    )
+    role = FeederRole(bus, feeder, start_batch=2, end_batch=4)
+    role.configure(LoopPolicy(wait_s=0.05))
+    assert role.step() is True  # no room: batch 2's prompts are encoded meanwhile
+    assert feeder.encoded == BATCH_PROMPTS and bus.waits == [0.0] and not bus.added
+    assert role.step() is False  # encoded already: now it waits for room as long as it may
+    assert bus.waits[-1] == 0.05 and feeder.encoded == BATCH_PROMPTS
+    bus.room = True
+    assert role.step() is True  # room: batch 2 goes on the bus with nothing left to encode
+    assert feeder.encoded == BATCH_PROMPTS
+    assert comparable(bus.added[0]) == comparable(make_feeder(rows, tokenizer).batch(2))
+    bus.room = False
+    assert role.step() is True and role.prepared_batch == 3  # then batch 3's, ahead
 
 
 def test_feeder_rejects_an_empty_dataset(tokenizer) -> None:

@@ -142,6 +142,9 @@ class _RoomyBus:
 class _Feeder:
     batch_prompts = 2
 
+    def prompts(self, batch_index: int) -> list[int]:
+        return [0, 1]
+
 
 def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None:
     waits: list[tuple[int, float]] = []
@@ -153,6 +156,7 @@ def test_feeder_waits_for_a_newer_version_when_the_bound_holds_it_back() -> None
         newest_batch=lambda: 4,
         wait_for_batch=lambda batch, wait_s: waits.append((batch, wait_s)),
     )
+    assert role.step() is True  # batch 5's prompts encoded while it may not be added yet
     assert role.step() is False
     assert waits == []  # wait_s = 0 (inline mode): never block
     role.configure(LoopPolicy(wait_s=0.05))
