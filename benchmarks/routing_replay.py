@@ -14,7 +14,7 @@ like the demo's warm start):
    run the seconds per step of its RL phase. The overhead is the median over pairs of
    (on - off) / off, printed last as `overhead 0.0xx`.
 
-    python benchmarks/routing_replay.py [--samples 512] [--pairs 3] [--steps 30]
+    python benchmarks/routing_replay.py [--samples 512] [--pairs 3] [--steps 30] [key=value ...]
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def make_engine(name: str, policy, tokenizer):
     )
 
 
-def mismatch(samples: int, engine_name: str, *, random_weights: bool = False) -> dict[str, float]:
+def mismatch(
+    samples: int, engine_name: str, *, random_weights: bool = False, overrides: list[str]
+) -> dict[str, float]:
     import numpy as np
     import torch
 
@@ -77,7 +79,7 @@ def mismatch(samples: int, engine_name: str, *, random_weights: bool = False) ->
     from streamrl.trainer.learner import detached_logprobs
     from streamrl.trainer.sft import ensure_policy_dir
 
-    cfg = moe_config([f"run.cache_dir={REPO / '.cache' / 'streamrl'}"])
+    cfg = moe_config([f"run.cache_dir={REPO / '.cache' / 'streamrl'}", *overrides])
     if random_weights:
         from streamrl.models.tiny import build_tiny_model_dir
 
@@ -155,7 +157,7 @@ def _agreement(record, rows, agreed: int, compared: int) -> tuple[int, int]:
     return agreed, compared
 
 
-def seconds_per_step(replay: str, steps: int, out: Path) -> float:
+def seconds_per_step(replay: str, steps: int, out: Path, overrides: list[str]) -> float:
     cmd, env = train_command(
         out,
         [
@@ -164,6 +166,7 @@ def seconds_per_step(replay: str, steps: int, out: Path) -> float:
             f"algorithm.routing_replay={replay}",
             f"trainer.steps={steps}",
             "trainer.eval_every=0",
+            *overrides,
         ],
     )
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)  # noqa: S603
@@ -191,17 +194,25 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=2, help="0: no overhead runs")
     parser.add_argument("--steps", type=int, default=8, help="steps of each overhead run")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="config overrides of the example (key=value), e.g. model.num_experts=32",
+    )
     args = parser.parse_args()
 
     for engine in filter(None, args.engines.split(",")):
-        report(engine, mismatch(args.samples, engine, random_weights=args.random))
+        report(
+            engine,
+            mismatch(args.samples, engine, random_weights=args.random, overrides=args.overrides),
+        )
     if not args.pairs:
         return
     ratios = []
     with tempfile.TemporaryDirectory(prefix="routing-replay-") as tmp:
         for k in range(args.pairs):
-            off = seconds_per_step("off", args.steps, Path(tmp) / f"off-{k}")
-            on = seconds_per_step("rollout", args.steps, Path(tmp) / f"on-{k}")
+            off = seconds_per_step("off", args.steps, Path(tmp) / f"off-{k}", args.overrides)
+            on = seconds_per_step("rollout", args.steps, Path(tmp) / f"on-{k}", args.overrides)
             ratios.append((on - off) / off)
             print(f"pair {k}: s/step off {off:.3f}  on {on:.3f}  ({ratios[-1]:+.3f})", flush=True)
     print(f"overhead {statistics.median(ratios):.3f}")

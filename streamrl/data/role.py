@@ -4,6 +4,9 @@ Capacity is the backpressure: at most (max_staleness + 1) batches are in flight,
 left for the trainer's dynamic-sampling refills. When the trainer keeps trained rows for its
 recovery in place, capacity no longer bounds how far ahead the feeder runs: the newest batch
 rollout may generate does (version + max_staleness).
+
+While the next batch may not be added yet, its prompts are encoded (a multimodal policy's
+media decoded, processed and stored), so that adding it is quick when room opens.
 """
 
 from __future__ import annotations
