@@ -66,6 +66,10 @@ class MediaConfig(Section):
     video_fps: float = Field(2.0, gt=0)
     """Frame rate of a video that does not say its own (frame files, a .npy array); an
     animated GIF's frame duration and a container's rate are read from the file."""
+    store_dir: str | None = None
+    """Folder of the preprocessed-media store, where each prompt's media is kept once processed
+    (a safetensors file per prompt); None: `<run.cache_dir>/media`. Runs that share it process
+    a prompt once between them; give it a disk with room for the data set's processed media."""
 
 
 class DataConfig(Section):

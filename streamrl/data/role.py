@@ -122,8 +122,14 @@ def media_preparer(ctx: RunContext) -> MediaPreparer | None:
         max_media=m.max_media,
         video_fps=m.video_fps,
     )
-    store = open_cache(Path(ctx.cfg.run.cache_dir) / "media")
+    store = open_cache(media_store_dir(ctx.cfg))
     return MediaPreparer(load_processor(ctx.policy_dir), store, limits)
+
+
+def media_store_dir(cfg) -> Path:
+    """The preprocessed-media store's folder: `data.media.store_dir`, else the cache's."""
+    configured = cfg.data.media.store_dir
+    return Path(configured) if configured else Path(cfg.run.cache_dir) / "media"
 
 
 def feeder_bound(cfg, weights, start_step: int) -> Callable[[], int] | None:
