@@ -70,6 +70,14 @@ class MediaConfig(Section):
     """Folder of the preprocessed-media store, where each prompt's media is kept once processed
     (a safetensors file per prompt); None: `<run.cache_dir>/media`. Runs that share it process
     a prompt once between them; give it a disk with room for the data set's processed media."""
+    store_max_gb: float | None = Field(None, gt=0)
+    """Size limit of the media store in GB; past it, the entries used longest ago are deleted
+    (and processed again if a later batch needs them). None: no limit."""
+    store_keep_min: float = Field(60.0, ge=0)
+    """With `store_max_gb`: entries used within this many minutes are never deleted. Rows on
+    the bus, and rows a trainer keeps to recover in place, read their entries by key: keep it
+    above the time from a batch's preparation to its last use (a few steps, up to a checkpoint
+    interval with in-place recovery)."""
 
 
 class DataConfig(Section):

@@ -123,6 +123,8 @@ def media_preparer(ctx: RunContext) -> MediaPreparer | None:
         video_fps=m.video_fps,
     )
     store = open_cache(media_store_dir(ctx.cfg))
+    if m.store_max_gb is not None:
+        store.limit(int(m.store_max_gb * 1e9), min_age_s=m.store_keep_min * 60)
     return MediaPreparer(load_processor(ctx.policy_dir), store, limits)
 
 

@@ -302,6 +302,8 @@ class MediaPreparer:
             "media/tokens_per_prompt": self.num_media_tokens / max(self.num_prompts, 1),
             "media/preprocess_s": self.seconds,
         }
+        if self.cache.max_bytes is not None:
+            out["media/store_evicted"] = float(self.cache.evicted)
         out.update({f"media/{kind}s": float(n) for kind, n in self.num_media.items()})
         out.update({f"media/dropped_{reason}": float(n) for reason, n in self.dropped.items()})
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +204,65 @@ def test_cache_round_trip_on_disk_and_in_memory(tmp_path):
     memory_only = MediaCache(None)
     memory_only.put("ab12", entry)
     assert torch.equal(memory_only.get("ab12")["input_ids"], torch.arange(5))
+
+
+def _age(cache: MediaCache, key: str, seconds: float) -> None:
+    """Make the entry `key` look last used `seconds` ago."""
+    path = cache._path(key)
+    then = path.stat().st_mtime - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_store_over_its_limit_deletes_the_entries_used_longest_ago(tmp_path):
+    entry = {"pixel_values": torch.zeros(1000)}  # 4,000 bytes of tensor, plus a header
+    cache = MediaCache(tmp_path, memory_entries=1)
+    for i, key in enumerate(["aa01", "bb02", "cc03"]):
+        cache.put(key, entry)
+        _age(cache, key, 3000 - 1000 * i)  # aa01 used longest ago
+    size = cache._path("aa01").stat().st_size
+    cache.get("aa01")  # a use: aa01 is now the most recent
+    cache.limit(int(size * 3.5), min_age_s=600)
+    cache.put("dd04", entry)  # four entries over a limit of 3.5: down to 0.9 * 3.5 = 3.15
+    on_disk = {p.stem for p in tmp_path.rglob("*.safetensors")}
+    assert on_disk == {"aa01", "cc03", "dd04"} and cache.evicted == 1
+    assert cache.get("bb02") is None  # deleted: the feeder processes its prompt again
+
+
+def test_entries_used_recently_are_kept_over_the_limit(tmp_path, caplog):
+    entry = {"pixel_values": torch.zeros(1000)}
+    cache = MediaCache(tmp_path, memory_entries=1)
+    cache.limit(1, min_age_s=600)
+    with caplog.at_level("WARNING"):
+        for key in ["aa01", "bb02", "cc03"]:
+            cache.put(key, entry)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 3 and cache.evicted == 0
+    assert "over its limit" in caplog.text
+    # Written back from memory when another run's limit deleted it on disk.
+    cache._path("cc03").unlink()
+    assert cache.get("cc03") is not None and cache._path("cc03").is_file()
+
+
+def test_the_runs_store_takes_its_folder_and_limit_from_the_config(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from streamrl.config.loader import load_config
+    from streamrl.data.role import media_preparer
+    from streamrl.models import processors
+
+    monkeypatch.setattr(processors, "load_processor", lambda model_dir: [])  # no model needed
+    store = tmp_path / "store"
+    cfg = load_config(
+        [
+            "data.task=shapes",
+            f"data.media.store_dir={store}",
+            "data.media.store_max_gb=2.5",
+            "data.media.store_keep_min=30",
+        ]
+    )
+    preparer = media_preparer(SimpleNamespace(cfg=cfg, policy_dir=tmp_path))
+    assert preparer.cache.root == store.resolve()
+    assert (preparer.cache.max_bytes, preparer.cache.min_age_s) == (2_500_000_000, 1800.0)
+    assert preparer.metrics()["media/store_evicted"] == 0.0
 
 
 def test_wav_bytes_inline(tmp_path):
