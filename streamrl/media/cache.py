@@ -60,14 +60,14 @@ class MediaCache:
         self.max_bytes: int | None = None
         self.min_age_s = 0.0
         self._disk_bytes: int | None = None  # counted at the first put under a limit
-        self._evict_above: int | None = None  # the size that starts the next eviction
+        self._evict_above = 0  # under a limit: the size that starts the next eviction
         self.evicted = 0  # entries this process deleted to keep under the limit
 
     def limit(self, max_bytes: int | None, min_age_s: float) -> None:
         """Keep the folder under `max_bytes` (None: no limit), deleting the entries used longest
         ago, none used within the last `min_age_s` seconds."""
         self.max_bytes, self.min_age_s = max_bytes, min_age_s
-        self._evict_above = max_bytes
+        self._evict_above = max_bytes or 0
 
     def _path(self, key: str) -> Path:
         assert self.root is not None and key.isalnum(), key
@@ -116,7 +116,7 @@ class MediaCache:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         if self.max_bytes is not None:
-            self._count_and_evict(path.stat().st_size)
+            self._count_and_evict(path.stat().st_size, self.max_bytes)
 
     def _touch(self, key: str) -> bool:
         """Mark the entry's file as used now; False when there is none on disk."""
@@ -128,15 +128,15 @@ class MediaCache:
             return False
         return True
 
-    def _count_and_evict(self, added: int) -> None:
+    def _count_and_evict(self, added: int, max_bytes: int) -> None:
         if self._disk_bytes is None:
             self._disk_bytes = sum(size for _, size, _ in self._files())
         else:
             self._disk_bytes += added
-        if self.max_bytes is not None and self._disk_bytes > (self._evict_above or 0):
-            self._evict(int(self.max_bytes * 0.9))
+        if self._disk_bytes > self._evict_above:
+            self._evict(int(max_bytes * 0.9), max_bytes)
             # Still over (every entry recent): look again once it has grown by a tenth.
-            self._evict_above = max(self.max_bytes, self._disk_bytes + self.max_bytes // 10)
+            self._evict_above = max(max_bytes, self._disk_bytes + max_bytes // 10)
 
     def _files(self) -> list[tuple[float, int, Path]]:
         """(last use, size, path) of every entry on disk (other processes may delete some)."""
@@ -150,7 +150,7 @@ class MediaCache:
             out.append((st.st_mtime, st.st_size, path))
         return out
 
-    def _evict(self, target: int) -> None:
+    def _evict(self, target: int, max_bytes: int) -> None:
         files = sorted(self._files())
         total = sum(size for _, size, _ in files)
         cutoff = time.time() - self.min_age_s
@@ -172,13 +172,13 @@ class MediaCache:
                 removed,
                 freed / 1e6,
             )
-        if self._disk_bytes > (self.max_bytes or 0):
+        if self._disk_bytes > max_bytes:
             log.warning(
                 "media store %s holds %.1f MB, over its limit of %.1f MB: every entry left was "
                 "used within the last %.0f s (data.media.store_keep_min)",
                 self.root,
                 self._disk_bytes / 1e6,
-                (self.max_bytes or 0) / 1e6,
+                max_bytes / 1e6,
                 self.min_age_s,
             )
 
