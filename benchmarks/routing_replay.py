@@ -15,6 +15,11 @@ like the demo's warm start):
    (on - off) / off, printed last as `overhead 0.0xx`.
 
     python benchmarks/routing_replay.py [--samples 512] [--pairs 3] [--steps 30] [key=value ...]
+
+`--random` scores a random-weight model of the same shape instead of the warm start;
+`--attention math` makes the in-process attention (the trainer's, and the builtin engine's)
+run PyTorch's math path, which computes in fp32 inside, instead of its fused bf16 kernel: what
+is left of the gap then shows how much of it was attention's rounding (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -64,7 +69,23 @@ def make_engine(name: str, policy, tokenizer):
 
 
 def mismatch(
-    samples: int, engine_name: str, *, random_weights: bool = False, overrides: list[str]
+    samples: int,
+    engine_name: str,
+    *,
+    random_weights: bool = False,
+    attention: str = "fused",
+    overrides: list[str],
+) -> dict[str, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if attention == "fused":
+        return _mismatch(samples, engine_name, random_weights, overrides)
+    with sdpa_kernel([SDPBackend.MATH]):
+        return _mismatch(samples, engine_name, random_weights, overrides)
+
+
+def _mismatch(
+    samples: int, engine_name: str, random_weights: bool, overrides: list[str]
 ) -> dict[str, float]:
     import numpy as np
     import torch
@@ -178,7 +199,7 @@ def report(engine: str, m: dict[str, float]) -> None:
     print(f"{engine}: bf16 engine vs trainer over {int(m['tokens'])} response tokens")
     for name, label in (("native", "without replay"), ("replay", "with replay   ")):
         print(
-            f"  {label}: mean |delta log-prob| {m[name + '_mean']:.6f}  max {m[name + '_max']:.4f}"
+            f"  {label}: mean |delta log-prob| {m[name + '_mean']:.3g}  max {m[name + '_max']:.3g}"
         )
     print(f"  routing decisions that flip without replay: {m['flipped']:.4f}")
     print(f"{engine}: mean reduction {1 - m['replay_mean'] / m['native_mean']:.3f}")
@@ -192,6 +213,12 @@ def main() -> None:
     parser.add_argument(
         "--random", action="store_true", help="a random-weight tiny MoE instead of the warm start"
     )
+    parser.add_argument(
+        "--attention",
+        choices=("fused", "math"),
+        default="fused",
+        help="math: in-process attention through PyTorch's math path (fp32 inside)",
+    )
     parser.add_argument("--pairs", type=int, default=2, help="0: no overhead runs")
     parser.add_argument("--steps", type=int, default=8, help="steps of each overhead run")
     parser.add_argument(
@@ -204,7 +231,13 @@ def main() -> None:
     for engine in filter(None, args.engines.split(",")):
         report(
             engine,
-            mismatch(args.samples, engine, random_weights=args.random, overrides=args.overrides),
+            mismatch(
+                args.samples,
+                engine,
+                random_weights=args.random,
+                attention=args.attention,
+                overrides=args.overrides,
+            ),
         )
     if not args.pairs:
         return
