@@ -616,11 +616,12 @@ class Config(Section):
                     "model is dense unless model.num_experts > 0 (e.g. model.num_experts=8), "
                     "or set algorithm.routing_replay=off"
                 )
-            if self.rollout.engine not in ("builtin", "vllm"):
+            if self.rollout.engine not in BUILTIN_ENGINES:
                 raise ValueError(
-                    "algorithm.routing_replay=rollout: the builtin and vLLM engines capture "
-                    f"routing, rollout.engine={self.rollout.engine!r} does not; use one of "
-                    "those or set algorithm.routing_replay=off (docs/moe.md)"
+                    "algorithm.routing_replay=rollout: the builtin, vLLM and SGLang engines "
+                    f"capture routing; rollout.engine={self.rollout.engine!r} is a plugin's, "
+                    "which streamrl cannot ask for it; set algorithm.routing_replay=off "
+                    "(docs/moe.md)"
                 )
         if m.num_experts and not m.experts_per_token <= m.num_experts:
             raise ValueError(

@@ -84,6 +84,7 @@ def sglang_engine(ctx: RunContext):
         model_dtype=cfg.model.dtype,
         max_running_requests=cfg.rollout.max_batch_size,
         default_weights_dir=Path(ctx.run_dir) / "sglang",
+        capture_routes=cfg.algorithm.routing_replay == "rollout",
     )
 
 

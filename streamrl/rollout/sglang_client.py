@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,11 +304,17 @@ def free_port() -> int:
 
 
 def launch_server(
-    model_dir: Path, config: SglangConfig, log_dir: Path, *, dtype: str, max_running_requests: int
+    model_dir: Path,
+    config: SglangConfig,
+    log_dir: Path,
+    *,
+    dtype: str,
+    max_running_requests: int,
+    extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, str]:
     """Start a server (`rollout.sglang`'s launch command and arguments, in `dtype`, at most
-    `max_running_requests` at once) on a free local port and wait until /health answers; return
-    it and its URL."""
+    `max_running_requests` at once, with `extra_args` before the configured ones) on a free local
+    port and wait until /health answers; return it and its URL."""
     port = free_port()
     cmd = [
         *(config.launch_cmd or DEFAULT_LAUNCH_CMD),
@@ -325,7 +331,7 @@ def launch_server(
     ]
     if config.deterministic:
         cmd.append("--enable-deterministic-inference")
-    cmd += list(config.launch_args)
+    cmd += [*extra_args, *config.launch_args]
     log_path = log_dir / "sglang_server.log"
     with open(log_path, "ab") as log:
         # Its own process group, so that close() stops SGLang's worker processes too.

@@ -45,6 +45,15 @@ go in and come out; nothing is tokenized or detokenized on this side.
   token budget, and a seed derived from (`request_id`, tokens so far). The continuation's prefill
   recomputes the attention cache under the new weights.
 
+- **Routing capture** (`capture_routes`, for `algorithm.routing_replay=rollout`): a launched
+  server gets `--enable-return-routed-experts` (an attached one must have been started with it),
+  every request asks for `return_routed_experts`, and each response's `meta_info.routed_experts`
+  (base64 of the experts of every prompt and output position but the last token's, `[positions,
+  layers, top k]`, int32 or the narrower type the server is set to send) becomes the result's
+  `routed_experts` field, the mixture-of-experts layers only (the layers with a router, read
+  from the model directory's config.json). A continuation's response covers the whole sequence
+  under the new weights, so the last attempt's routes are the ones kept (`merge_routes`).
+
 Nothing here has run against a real SGLang server yet: the tests use a stand-in that speaks the
 same API (`tests/fakes/sglang_server.py`); docs/engines.md says what that does and does not cover.
 """
@@ -77,6 +86,7 @@ from streamrl.api.engine import (
     WeightPoll,
     check_requests,
 )
+from streamrl.api.fields import ROUTED_EXPERTS
 from streamrl.config.schema import SglangConfig
 from streamrl.rollout.sampling import StopStrings, cut_at_stop
 from streamrl.rollout.seeds import request_seed
@@ -93,9 +103,10 @@ from streamrl.rollout.sglang_client import (
 
 log = logging.getLogger(__name__)
 
-# One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type, and
-# per position the top log-probs (descending; empty unless asked for).
-_Output = tuple[list[int], list[float], int, str, list[list[float]]]
+# One /generate answer: token ids, their log-probs, the policy version, SGLang's finish type, per
+# position the top log-probs (descending; empty unless asked for), and the routed experts of the
+# positions it ran (None unless asked for).
+_Output = tuple[list[int], list[float], int, str, list[list[float]], np.ndarray | None]
 
 
 @dataclass
@@ -107,6 +118,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    routes: np.ndarray | None = None
+    """With routing capture: the experts of each position run so far, from the latest attempt."""
     sent_in_epoch: int = 0
     """The engine's update epoch when the current attempt was sent: an attempt aborted in the
     same epoch was not aborted by this engine."""
@@ -129,6 +142,7 @@ class SglangEngine:
         weight_sync_address: str | None = None,
         weight_sync_port: int = 0,
         tp_size: int | None = None,
+        capture_routes: bool = False,
     ):
         """`config` is the `rollout.sglang` section. The values from other sections:
         `model_dtype` (`model.dtype`, a launched server's `--dtype` when `config.dtype` is auto),
@@ -144,7 +158,8 @@ class SglangEngine:
         route to the server), `weight_sync_port` (of the group's TCP store, served by this
         process; 0 picks a free one) and `tp_size` (the server's tensor-parallel size, the group
         has 1 + tp_size ranks; None asks the server, else reads --tp/--tp-size of
-        `config.launch_args`, else 1)."""
+        `config.launch_args`, else 1). `capture_routes`: record each request's routed experts
+        (a mixture-of-experts model in a local `model_dir`; see the module docstring)."""
         self.eos_token_id = eos_token_id
         self.config = config
         self.dtype = model_dtype if config.dtype == "auto" else config.dtype
@@ -181,6 +196,7 @@ class SglangEngine:
         """Tokens whose truncated log-prob could not be computed exactly: the kept set ran past
         the `top_logprobs_num` entries SGLang returned (see the module docstring)."""
         self._tokenizer: Any = None
+        self.routing = RoutingLayout.of(self.model_dir) if capture_routes else None
         self.server: subprocess.Popen | None = None
         if config.url is None:
             self.server, url = launch_server(
@@ -189,6 +205,7 @@ class SglangEngine:
                 self.weights_dir,
                 dtype=self.dtype,
                 max_running_requests=max_running_requests,
+                extra_args=["--enable-return-routed-experts"] if capture_routes else [],
             )
             atexit.register(self.close)
         else:
@@ -393,6 +410,8 @@ class SglangEngine:
         }
         if params.truncated:
             payload["top_logprobs_num"] = self._top_logprobs_num(params)
+        if self.routing is not None:
+            payload["return_routed_experts"] = True
         seq.sent_in_epoch = self._epoch
         sent_version = self._version
         running[rid] = seq
@@ -423,9 +442,13 @@ class SglangEngine:
             del running[rid]
             if isinstance(outcome, Exception):
                 raise outcome
-            token_ids, logprobs, version, reason, top = outcome
+            token_ids, logprobs, version, reason, top, routes = outcome
             if params.truncated:
                 logprobs = self._renormalise(logprobs, top, params)
+            if self.routing is not None:
+                from streamrl.models.moe import merge_routes
+
+                seq.routes = merge_routes(seq.routes, routes)
             resumed = bool(seq.response_ids)
             seq.response_ids += token_ids
             seq.logprobs += logprobs
@@ -510,13 +533,17 @@ class SglangEngine:
 
     def _result(self, seq: _Sequence) -> GenerationResult:
         assert seq.finish_reason in ("stop", "length")
-        return GenerationResult(
+        result = GenerationResult(
             request_id=seq.request.request_id,
             response_ids=seq.response_ids,
             logprobs=seq.logprobs,
             versions=seq.versions,
             finish_reason=seq.finish_reason,  # type: ignore[arg-type]
         )
+        if seq.routes is not None:  # every position but the last token's (a stop may cut it)
+            ran = len(seq.request.prompt_ids) + len(seq.response_ids) - 1
+            result.extra[ROUTED_EXPERTS] = seq.routes[:ran]
+        return result
 
     def _model_info(self) -> dict[str, Any]:
         """The server's /model_info (/get_model_info on older SGLang); checks that it generates."""
@@ -549,11 +576,94 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
         ) from e
     if reason not in ("stop", "length", "abort"):
         raise SglangError(f"SGLang finished a request with unknown reason {meta['finish_reason']}")
+    routes = None
+    if engine.routing is not None:
+        ran = int(meta.get("prompt_tokens", 0)) + len(token_ids) - 1
+        routes = engine.routing.decode(meta.get("routed_experts"), ran, engine.url)
     version = sent_version
     reported = meta.get("weight_version")
     if engine.num_weight_updates > 0 and isinstance(reported, str) and reported.isdigit():
         version = int(reported)  # exact even when the response crossed a weight update
-    return token_ids, logprobs, version, reason, top
+    return token_ids, logprobs, version, reason, top, routes
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """How a model's routed experts arrive from SGLang: `num_layers` per position (SGLang's
+    capture buffer has one per decoder layer), of which `moe_layers` have a router, `top_k` experts
+    each, ids below `num_experts`."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
+    num_experts: int
+
+    @classmethod
+    def of(cls, model_dir: Path) -> RoutingLayout:
+        """The layout of the model in `model_dir` (its config.json; a vision-language model's
+        text config). Mixture-of-experts layers: Qwen-MoE's `mlp_only_layers` and
+        `decoder_sparse_step`, DeepSeek's `first_k_dense_replace` and `moe_layer_freq`."""
+        from streamrl.models.moe import check_routable
+
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"routing capture reads the model's layers from its config.json, and "
+                f"{str(model_dir)!r} has none: give the SGLang engine a local model directory"
+            )
+        config = json.loads(path.read_text())
+        config = config.get("text_config") or config.get("thinker_config", {}).get(
+            "text_config", config
+        )
+        num_experts = int(
+            config.get("num_experts")  # as transformers 4 writes it; 5 writes num_local_experts
+            or config.get("num_local_experts")
+            or config.get("n_routed_experts")  # DeepSeek
+            or 0
+        )
+        check_routable(num_experts)
+        num_layers = int(config["num_hidden_layers"])
+        dense = set(config.get("mlp_only_layers") or [])
+        step = int(config.get("decoder_sparse_step") or 1)
+        first_moe = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        moe_layers = tuple(
+            i
+            for i in range(num_layers)
+            if i not in dense and (i + 1) % step == 0 and i >= first_moe and i % freq == 0
+        )
+        return cls(num_layers, moe_layers, int(config["num_experts_per_tok"]), num_experts)
+
+    def decode(self, encoded: Any, positions: int, url: str) -> np.ndarray:
+        """`meta_info.routed_experts` of a response that ran `positions` positions, as the
+        `routed_experts` field takes it: uint8 `[positions, MoE layers, top k]`."""
+        import base64
+
+        from streamrl.models.moe import ROUTE_DTYPE
+
+        if not isinstance(encoded, str):
+            raise SglangError(
+                f"the SGLang server at {url} sent no routed experts (meta_info.routed_experts); "
+                "routing replay needs a server started with --enable-return-routed-experts"
+            )
+        raw = base64.b64decode(encoded)
+        slots = positions * self.num_layers * self.top_k
+        width = len(raw) // max(slots, 1)
+        dtypes = {4: np.int32, 2: np.uint16, 1: np.uint8}
+        if len(raw) != slots * width or (slots and width not in dtypes):
+            raise SglangError(
+                f"SGLang's routed experts are {len(raw)} bytes; expected {positions} positions x "
+                f"{self.num_layers} layers x top {self.top_k} of 4, 2 or 1 bytes each"
+            )
+        routes = np.frombuffer(raw, dtypes.get(width, np.uint8)).reshape(
+            positions, self.num_layers, self.top_k
+        )[:, list(self.moe_layers)]
+        if routes.size and not (0 <= int(routes.min()) and int(routes.max()) < self.num_experts):
+            raise SglangError(
+                f"SGLang's routed experts name experts outside [0, {self.num_experts}): "
+                f"{int(routes.min())}..{int(routes.max())}"
+            )
+        return routes.astype(ROUTE_DTYPE)
 
 
 def kept_mass(top_logprobs: Sequence[float], params: SamplingParams) -> tuple[float, bool]:

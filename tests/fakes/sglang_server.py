@@ -8,7 +8,7 @@ What it implements, following SGLang's native API (field names as in SGLang's `i
 | --- | --- |
 | GET /health, /health_generate | 200 once serving |
 | GET /model_info, /get_model_info | model_path, is_generation, weight_version, model_type |
-| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), top_p, top_k (-1: off), min_p, stop (strings), stop_token_ids, sampling_seed, ignore_eos; `return_logprob`, `top_logprobs_num`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort, matched}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...], output_top_logprobs [[[logprob, id, null], ...], ...]); 400 for empty input_ids, ids outside [0, vocab_size), or past the context length |
+| POST /generate | one prompt as `input_ids`; `sampling_params` max_new_tokens, temperature (0: greedy), top_p, top_k (-1: off), min_p, stop (strings), stop_token_ids, sampling_seed, ignore_eos; `return_logprob`, `top_logprobs_num`, `return_routed_experts`; answers `output_ids` and `meta_info` (id, finish_reason {type: stop/length/abort, matched}, prompt_tokens, completion_tokens, weight_version, output_token_logprobs [[logprob, id, null], ...], output_top_logprobs [[[logprob, id, null], ...], ...], routed_experts: base64 of int32 [prompt + output tokens - 1, layers, top k], only when the server was started with `--enable-return-routed-experts`); 400 for empty input_ids, ids outside [0, vocab_size), or past the context length |
 | POST /abort_request | `rid` (prefix match, as SGLang) or `abort_all`; aborted requests answer with their tokens so far |
 | POST /pause_generation | mode `abort` aborts everything running; `in_place`/`retract` only stop stepping; new requests wait until continued |
 | POST /continue_generation | resumes |
@@ -29,7 +29,9 @@ distribution (the builtin engine's rule, which is SGLang's when one control is o
 reported log-probs, as SGLang's, are those of the full temperature-scaled distribution (one more
 forward pass per token computes them). A stop string ends a request at the token whose text
 completes it (`matched` names it). There is no KV cache: every step recomputes the sequences, which is fine
-for the tiny test models.
+for the tiny test models. Routed experts (a mixture-of-experts model) are kept per position from
+the step that first ran it, as a KV-cached server's would be: the prompt's from the first step,
+each later position's from the step that fed it.
 
 Run it in-process (`FakeSglangServer(model_dir).start()`) or as a program that accepts the
 arguments the SGLang engine passes to `sglang.launch_server` (others are ignored):
@@ -39,6 +41,7 @@ arguments the SGLang engine passes to `sglang.launch_server` (others are ignored
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 import sys
@@ -48,6 +51,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from streamrl.api.engine import GenerationRequest, SamplingParams
@@ -79,6 +83,8 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+    return_routed_experts: bool = False
+    routes: list[np.ndarray] = field(default_factory=list)  # per position ran: [layers, k]
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     done: threading.Event = field(default_factory=threading.Event)
@@ -100,6 +106,7 @@ class FakeSglangServer:
         stop_on_model_eos: bool = True,
         hold_at_tokens: int | None = None,
         fail_generate: str | None = None,
+        enable_return_routed_experts: bool = False,
     ):
         self.model_dir = str(model_dir)
         model = load_causal_lm(model_dir)
@@ -109,7 +116,11 @@ class FakeSglangServer:
         self.model_eos = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
         self.stop_on_model_eos = stop_on_model_eos
         # One token per call, so the builtin engine's own EOS handling never matters.
-        self.engine = BuiltinEngine(model, eos_token_id=-1, pad_token_id=0)
+        self.enable_return_routed_experts = enable_return_routed_experts
+        """As SGLang's --enable-return-routed-experts: without it, requests get no routes."""
+        self.engine = BuiltinEngine(
+            model, eos_token_id=-1, pad_token_id=0, capture_routes=enable_return_routed_experts
+        )
         self.tokenizer = load_tokenizer(model_dir)
         self.hold_at_tokens = hold_at_tokens
         """Test knob, not SGLang: requests stop after this many tokens until the next weight
@@ -202,6 +213,9 @@ class FakeSglangServer:
                 params,
             )
             for req, result in zip(group, results, strict=True):
+                if self.enable_return_routed_experts:  # the positions this step ran first
+                    ran = result.extra["routed_experts"]
+                    req.routes.extend(ran[len(req.routes) :])
                 token, logprob, top = result.response_ids[0], result.logprobs[0], []
                 if params.truncated or req.top_logprobs_num:
                     with torch.no_grad():
@@ -278,6 +292,7 @@ class FakeSglangServer:
             min_p=float(sp.get("min_p", 0.0)),
             stops=StopStrings(self.tokenizer, _as_list(sp["stop"])) if sp.get("stop") else None,
             top_logprobs_num=int(body.get("top_logprobs_num") or 0),
+            return_routed_experts=bool(body.get("return_routed_experts")),
         )
         with self._cond:
             self._cond.wait_for(lambda: not self._paused or self._stopped)
@@ -300,6 +315,10 @@ class FakeSglangServer:
             ]
             if req.top_logprobs_num:
                 meta["output_top_logprobs"] = req.top_logprobs
+        if req.return_routed_experts and self.enable_return_routed_experts:
+            ran = len(req.input_ids) + len(req.output_ids) - 1  # the last token never ran
+            routes = np.stack(req.routes[:ran]).astype(np.int32) if ran else np.zeros((0, 0, 0))
+            meta["routed_experts"] = base64.b64encode(routes.tobytes()).decode("ascii")
         return {"output_ids": req.output_ids, "meta_info": meta}
 
     def abort_request(self, body: dict[str, Any]) -> None:
@@ -522,9 +541,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--fail-generate", metavar="MESSAGE", help="test knob: see the class")
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
     args, ignored = parser.parse_known_args(argv)
     server = FakeSglangServer(
-        args.model_path, host=args.host, port=args.port, fail_generate=args.fail_generate
+        args.model_path,
+        host=args.host,
+        port=args.port,
+        fail_generate=args.fail_generate,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     ).start()
     print(f"fake SGLang server on {server.url}; ignored arguments: {ignored}", flush=True)
     threading.Event().wait()  # until killed

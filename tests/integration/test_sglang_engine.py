@@ -61,3 +61,41 @@ def test_a_run_trains_on_the_weights_each_step_sends_to_the_sglang_server(tmp_pa
     assert len(trained) == 3, [m["train/trained_tokens"] for m in steps]  # weights moved each step
     for m in trained:
         assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)
+
+
+def test_a_moe_run_replays_the_routes_the_sglang_server_returns(tmp_path):
+    """A tiny Qwen3-MoE with `algorithm.routing_replay=rollout`: the launched server is asked for
+    routed experts, every row carries them, and the trainer replays them; at staleness 0 in fp32
+    they are what its own router chooses (agreement 1 would drop to chance with misplaced
+    routes) and the log-prob gap stays at rounding."""
+    from streamrl.models.tiny import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir(
+        tmp_path / "moe", hidden_size=32, num_layers=2, num_heads=2, seed=0, num_experts=8
+    )
+    run_dir = tmp_path / "run"
+    run_cli(
+        [
+            "train",
+            *QUICK,
+            f"model.path={model_dir}",
+            "runtime.mode=threads",
+            "rollout.engine=sglang",
+            f'rollout.sglang.launch_cmd=["{sys.executable}", "{SERVER}"]',
+            "algorithm.routing_replay=rollout",
+            "rollout.max_staleness=0",
+            "rollout.max_new_tokens=8",
+            "reward.function=tests.integration.digit_reward:digit_share",
+            "algorithm.lr=1e-2",
+            "trainer.steps=3",
+            "trainer.eval_every=0",
+            f"run.run_dir={run_dir}",
+        ]
+    )
+    log = next(run_dir.glob("sglang/engine-*/sglang_server.log")).read_text()
+    assert "--enable-return-routed-experts" in log
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["train/moe/replay_agreement"] >= 0.99, (m["step"], m)
+        assert 0 <= m["train/logprob_mismatch"] <= MISMATCH_BOUND, (m["step"], m)

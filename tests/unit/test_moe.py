@@ -232,12 +232,21 @@ def test_replay_refused_for_a_dense_model(model_dir: Path) -> None:
 def test_config_refuses_replay_without_experts_or_with_another_engine() -> None:
     with pytest.raises(ValueError, match="model.num_experts"):
         Config.model_validate({"algorithm": {"routing_replay": "rollout"}})
-    with pytest.raises(ValueError, match="the builtin and vLLM engines capture routing"):
+    with pytest.raises(ValueError, match="SGLang engines capture routing"):
         Config.model_validate(
             {
                 "model": {"num_experts": 4},
                 "algorithm": {"routing_replay": "rollout"},
-                "rollout": {"engine": "sglang"},
+                "rollout": {"engine": "my_engine"},
+                "run": {"plugins": ["my_plugin"]},
+            }
+        )
+    for engine in ("vllm", "sglang"):
+        Config.model_validate(
+            {
+                "model": {"num_experts": 4},
+                "algorithm": {"routing_replay": "rollout"},
+                "rollout": {"engine": engine},
             }
         )
     with pytest.raises(ValueError, match="experts_per_token"):
