@@ -419,7 +419,8 @@ class SglangEngine:
         def attempt() -> None:
             try:
                 response = self.client.post("/generate", payload)
-                outcomes.put((seq, rid, _parse_output(response, sent_version, self)))
+                output = _parse_output(response, sent_version, self, len(payload["input_ids"]))
+                outcomes.put((seq, rid, output))
             except Exception as e:  # handed to the main thread, which raises it
                 outcomes.put((seq, rid, e))
 
@@ -560,8 +561,11 @@ class SglangEngine:
         return info
 
 
-def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Output:
-    """(token ids, log-probs, policy version, finish type) of one /generate response."""
+def _parse_output(
+    response: Any, sent_version: int, engine: SglangEngine, sent_tokens: int
+) -> _Output:
+    """(token ids, log-probs, policy version, finish type, top log-probs, routes) of one
+    /generate response to `sent_tokens` input ids."""
     try:
         meta = response["meta_info"]
         pairs = meta["output_token_logprobs"]  # [[logprob, token id, text or null], ...]
@@ -577,8 +581,9 @@ def _parse_output(response: Any, sent_version: int, engine: SglangEngine) -> _Ou
     if reason not in ("stop", "length", "abort"):
         raise SglangError(f"SGLang finished a request with unknown reason {meta['finish_reason']}")
     routes = None
-    if engine.routing is not None:
-        ran = int(meta.get("prompt_tokens", 0)) + len(token_ids) - 1
+    # An aborted attempt's routes may be left out: its continuation runs every position again.
+    if engine.routing is not None and (reason != "abort" or meta.get("routed_experts")):
+        ran = sent_tokens + len(token_ids) - 1
         routes = engine.routing.decode(meta.get("routed_experts"), ran, engine.url)
     version = sent_version
     reported = meta.get("weight_version")

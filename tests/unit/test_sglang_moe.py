@@ -203,3 +203,25 @@ def test_the_layout_keeps_the_router_layers_and_reads_every_wire_width(tmp_path)
     assert deepseek.moe_layers == (1, 2, 3) and deepseek.num_experts == 64
     with pytest.raises(TypeError, match="no mixture-of-experts layer"):
         _layout(tmp_path, num_hidden_layers=2, num_experts_per_tok=1)
+
+
+def test_an_aborted_attempt_may_come_back_without_routes(tmp_path):
+    """Its continuation runs every position again, so only a finished attempt must carry them."""
+    from types import SimpleNamespace
+
+    from streamrl.rollout.sglang_engine import _parse_output
+
+    layout = _layout(tmp_path, num_hidden_layers=1, num_experts=4, num_experts_per_tok=1)
+    engine = SimpleNamespace(routing=layout, url="url", num_weight_updates=0)
+    pairs = [[-0.5, 7, None], [-0.25, 8, None]]
+
+    def response(reason: str) -> dict:
+        return {"meta_info": {"output_token_logprobs": pairs, "finish_reason": {"type": reason}}}
+
+    assert _parse_output(response("abort"), 0, engine, 3)[5] is None
+    with pytest.raises(SglangError, match="--enable-return-routed-experts"):
+        _parse_output(response("length"), 0, engine, 3)
+    routes = np.array([[[1]], [[2]], [[3]], [[0]]], np.int32)  # 3 sent + 2 sampled - 1
+    finished = response("length")
+    finished["meta_info"]["routed_experts"] = base64.b64encode(routes.tobytes()).decode()
+    assert _parse_output(finished, 0, engine, 3)[5].ravel().tolist() == [1, 2, 3, 0]
