@@ -52,11 +52,23 @@ def _requests(prompts) -> list[GenerationRequest]:
     return [GenerationRequest(f"{rid}-{k}", ids) for rid, ids in prompts.items() for k in range(4)]
 
 
-def _rows(requests, results) -> list[dict]:
+def engine_rows(requests, results) -> list[dict]:
+    """The bus rows an engine's `results` for `requests` become (routes included)."""
     return [
         {"sample_id": q.request_id, F.PROMPT_IDS: q.prompt_ids, **result_fields(r)}
         for q, r in zip(requests, results, strict=True)
     ]
+
+
+def replay_gaps(model, rows, replay: bool) -> tuple[list[np.ndarray], moe.RoutingRecord]:
+    """Per row |trainer - engine| log-prob of each response token, the trainer's forward given
+    the rows' routes (`replay`) or routing by itself; and what its routers did."""
+    if not replay:
+        rows = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
+    with moe.recording(model) as record:
+        logprobs = _trainer_logprobs(model, rows)
+    gaps = [np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(rows, logprobs, strict=True)]
+    return gaps, record
 
 
 def _gap(rows, logprobs) -> np.ndarray:
@@ -105,7 +117,9 @@ def test_fp32_engine_and_trainer_agree_with_and_without_replay(
 ) -> None:
     engine = _engine(load_causal_lm(moe_dir))
     requests = _requests(prompts)
-    rows = _rows(requests, engine.generate(requests, SamplingParams(max_new_tokens=12, seed=2)))
+    rows = engine_rows(
+        requests, engine.generate(requests, SamplingParams(max_new_tokens=12, seed=2))
+    )
     trainer = load_causal_lm(moe_dir)
     plain = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
     assert _gap(plain, _trainer_logprobs(trainer, plain, padding_free)).mean() <= 1e-5
@@ -140,7 +154,7 @@ def test_trainer_uses_exactly_the_engines_experts_across_a_weight_update(
         SamplingParams(max_new_tokens=10, seed=3),
         weight_poll=lambda: next(polls, None),
     )
-    rows = _rows(requests, results)
+    rows = engine_rows(requests, results)
     assert all(r.versions[:3] == [0, 0, 0] and r.versions[3:] == [1] * 7 for r in results)
     plain = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
     with moe.recording(new) as native:
@@ -173,7 +187,9 @@ def test_without_routes_a_row_is_routed_by_the_trainer(moe_dir: Path) -> None:
 def test_gradients_reach_the_router_under_replay(moe_dir: Path, prompts) -> None:
     engine = _engine(load_causal_lm(moe_dir))
     requests = _requests(prompts)[:4]
-    rows = _rows(requests, engine.generate(requests, SamplingParams(max_new_tokens=6, seed=4)))
+    rows = engine_rows(
+        requests, engine.generate(requests, SamplingParams(max_new_tokens=6, seed=4))
+    )
     model = load_causal_lm(moe_dir).train()
     routes = [r[F.ROUTED_EXPERTS] for r in rows]
     batch = pack([r[F.PROMPT_IDS] for r in rows], [r[F.RESPONSE_IDS] for r in rows], 0, routes)
@@ -187,7 +203,9 @@ def test_gradients_reach_the_router_under_replay(moe_dir: Path, prompts) -> None
 def test_learner_logs_router_loss_loads_and_replay_agreement(moe_dir: Path, prompts) -> None:
     engine = _engine(load_causal_lm(moe_dir))
     requests = _requests(prompts)
-    rows = _rows(requests, engine.generate(requests, SamplingParams(max_new_tokens=6, seed=5)))
+    rows = engine_rows(
+        requests, engine.generate(requests, SamplingParams(max_new_tokens=6, seed=5))
+    )
     for k, r in enumerate(rows):
         r["advantages"] = 1.0 if k % 2 else -1.0
     settings = LossSettings.of(Config().algorithm, 16)

@@ -30,13 +30,11 @@ from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.api.run import RunContext
 from streamrl.config.loader import load_config
 from streamrl.config.schema import SglangConfig
-from streamrl.models import moe
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.rollout.engines import make_engine
-from streamrl.rollout.service import result_fields
 from streamrl.rollout.sglang_engine import RoutingLayout, SglangEngine, SglangError
-from streamrl.trainer.learner import detached_logprobs
+from tests.unit.test_moe import engine_rows, replay_gaps
 from tests.unit.test_sglang_engine import FAKE_SERVER, NO_EOS, FakeSglangServer, perturbed
 
 NUM_LAYERS, TOP_K = 2, 2
@@ -55,24 +53,6 @@ def _attach(server, moe_dir: Path, tmp_path: Path, **kwargs) -> SglangEngine:
     return SglangEngine(moe_dir, eos_token_id=NO_EOS, config=config, capture_routes=True, **kwargs)
 
 
-def _rows(requests, results) -> list[dict]:
-    return [
-        {"sample_id": q.request_id, F.PROMPT_IDS: q.prompt_ids, **result_fields(r)}
-        for q, r in zip(requests, results, strict=True)
-    ]
-
-
-def _gaps(model, rows, replay: bool) -> tuple[list[np.ndarray], moe.RoutingRecord]:
-    if not replay:
-        rows = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
-    with moe.recording(model) as record:
-        logprobs = detached_logprobs(
-            model, rows, pad_token_id=0, temperature=1.0, padding_free=False
-        )
-    gaps = [np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(rows, logprobs, strict=True)]
-    return gaps, record
-
-
 def _requests(prompts: dict[str, list[int]], tag: str) -> list[GenerationRequest]:
     return [GenerationRequest(f"{tag}-{rid}", ids) for rid, ids in prompts.items()]
 
@@ -87,13 +67,13 @@ def test_routes_recorded_and_replayed_with_fp32_logprobs_agreeing(moe_dir, promp
         results = engine.generate(requests, SamplingParams(max_new_tokens=6, seed=1))
     finally:
         server.stop()
-    rows = _rows(requests, results)
+    rows = engine_rows(requests, results)
     for q, r in zip(requests, rows, strict=True):
         routes = r[F.ROUTED_EXPERTS]
         assert routes.dtype == np.uint8 and routes.shape == (len(q.prompt_ids) + 5, NUM_LAYERS, 2)
     model = load_causal_lm(moe_dir)
     for replay in (False, True):
-        gaps, record = _gaps(model, rows, replay)
+        gaps, record = replay_gaps(model, rows, replay)
         assert np.concatenate(gaps).max() <= 1e-5
     assert record.compared > 0 and record.agreed == record.compared
 
@@ -125,12 +105,12 @@ def test_routes_across_an_inflight_update_are_the_new_weights(moe_dir, prompts, 
     assert served and engine.num_continuations == len(prompts)
     new_model = load_causal_lm(moe_dir)
     new_model.load_state_dict(new_weights, strict=False)
-    rows = _rows(requests, results)
+    rows = engine_rows(requests, results)
     # The continuation ran every position again under the new weights: its routes are kept,
     # those the new weights' router chooses itself, which the old weights' would not all be.
-    _, old = _gaps(model, rows, replay=True)
+    _, old = replay_gaps(model, rows, replay=True)
     assert old.agreed < old.compared
-    gaps, new = _gaps(new_model, rows, replay=True)
+    gaps, new = replay_gaps(new_model, rows, replay=True)
     assert new.compared > 0 and new.agreed == new.compared
     after = [g[np.asarray(r.versions) == 1] for g, r in zip(gaps, results, strict=True)]
     assert all(len(a) == 5 for a in after)

@@ -18,12 +18,10 @@ import torch
 from streamrl.api import fields as F
 from streamrl.api.engine import GenerationRequest, SamplingParams
 from streamrl.config.schema import VllmConfig
-from streamrl.models import moe
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.models.tokenizer import build_tokenizer
-from streamrl.rollout.service import result_fields
-from streamrl.trainer.learner import detached_logprobs
+from tests.unit.test_moe import engine_rows, replay_gaps
 from tests.vllm_required import skip_module_without_vllm
 
 skip_module_without_vllm()
@@ -68,24 +66,6 @@ def _requests(tag: str) -> list[GenerationRequest]:
     return [GenerationRequest(f"{tag}-{i}", prompts[i % 3]) for i in range(12)]
 
 
-def _rows(requests, results) -> list[dict]:
-    return [
-        {"sample_id": q.request_id, F.PROMPT_IDS: q.prompt_ids, **result_fields(r)}
-        for q, r in zip(requests, results, strict=True)
-    ]
-
-
-def _gaps(model, rows, replay: bool) -> tuple[list[np.ndarray], moe.RoutingRecord]:
-    if not replay:
-        rows = [{k: v for k, v in r.items() if k != F.ROUTED_EXPERTS} for r in rows]
-    with moe.recording(model) as record:
-        logprobs = detached_logprobs(
-            model, rows, pad_token_id=0, temperature=1.0, padding_free=False
-        )
-    gaps = [np.abs(lp - r[F.ROLLOUT_LOGPROBS]) for r, lp in zip(rows, logprobs, strict=True)]
-    return gaps, record
-
-
 def _perturbed(moe_dir: Path, scale: float):
     model = load_causal_lm(moe_dir)
     torch.manual_seed(1)
@@ -97,12 +77,14 @@ def _perturbed(moe_dir: Path, scale: float):
 
 def test_routes_recorded_and_replayed_with_fp32_logprobs_agreeing(engine, moe_dir: Path) -> None:
     requests = _requests("a")
-    rows = _rows(requests, engine.generate(requests, SamplingParams(max_new_tokens=8, seed=1)))
+    rows = engine_rows(
+        requests, engine.generate(requests, SamplingParams(max_new_tokens=8, seed=1))
+    )
     for q, r in zip(requests, rows, strict=True):
         assert r[F.ROUTED_EXPERTS].shape == (len(q.prompt_ids) + 7, NUM_LAYERS, 2)
     model = load_causal_lm(moe_dir)
     for replay in (False, True):
-        gaps, record = _gaps(model, rows, replay)
+        gaps, record = replay_gaps(model, rows, replay)
         assert np.concatenate(gaps).mean() <= 1e-5
     assert record.compared > 0 and record.agreed == record.compared
 
@@ -112,8 +94,10 @@ def test_updated_weights_reach_the_experts(engine, moe_dir: Path) -> None:
     model = _perturbed(moe_dir, 0.1)
     engine.load_weights(engine.version + 1, {n: p.detach() for n, p in model.named_parameters()})
     requests = _requests("b")
-    rows = _rows(requests, engine.generate(requests, SamplingParams(max_new_tokens=8, seed=2)))
-    gaps, _ = _gaps(model, rows, replay=True)
+    rows = engine_rows(
+        requests, engine.generate(requests, SamplingParams(max_new_tokens=8, seed=2))
+    )
+    gaps, _ = replay_gaps(model, rows, replay=True)
     assert np.concatenate(gaps).mean() <= 1e-5
     original = load_causal_lm(moe_dir)  # back to the initial weights for the other tests
     engine.load_weights(engine.version + 1, {n: p.detach() for n, p in original.named_parameters()})
@@ -143,14 +127,14 @@ def test_routes_across_an_inflight_update_are_the_new_weights(
     finally:
         if not in_process:
             generator.close()
-    rows = _rows(requests, results)
+    rows = engine_rows(requests, results)
     # Every request still running at the update ran on as a continuation (vLLM ends a response
     # at the tokenizer's EOS itself: one may have finished before).
     resumed = [r for r in results if start + 1 in r.versions]
     assert continued == len(resumed) >= len(requests) // 2
     assert all(r.versions[0] == start for r in results)
     rows = [row for row, r in zip(rows, results, strict=True) if r in resumed]
-    gaps, record = _gaps(new, rows, replay=True)
+    gaps, record = replay_gaps(new, rows, replay=True)
     after = [g[np.asarray(r.versions) == start + 1] for g, r in zip(gaps, resumed, strict=True)]
     assert np.concatenate(after).mean() <= 1e-5
     assert record.agreed == record.compared  # the new weights' own routing, every position
