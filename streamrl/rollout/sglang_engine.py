@@ -48,11 +48,9 @@ go in and come out; nothing is tokenized or detokenized on this side.
 - **Routing capture** (`capture_routes`, for `algorithm.routing_replay=rollout`): a launched
   server gets `--enable-return-routed-experts` (an attached one must have been started with it),
   every request asks for `return_routed_experts`, and each response's `meta_info.routed_experts`
-  (base64 of the experts of every prompt and output position but the last token's, `[positions,
-  layers, top k]`, int32 or the narrower type the server is set to send) becomes the result's
-  `routed_experts` field, the mixture-of-experts layers only (the layers with a router, read
-  from the model directory's config.json). A continuation's response covers the whole sequence
-  under the new weights, so the last attempt's routes are the ones kept (`merge_routes`).
+  becomes the result's `routed_experts` field (`sglang_routes.py` decodes it). A continuation's
+  response covers the whole sequence under the new weights, so the last attempt's routes are the
+  ones kept (`merge_routes`).
 
 Nothing here has run against a real SGLang server yet: the tests use a stand-in that speaks the
 same API (`tests/fakes/sglang_server.py`); docs/engines.md says what that does and does not cover.
@@ -75,7 +73,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -100,6 +98,9 @@ from streamrl.rollout.sglang_client import (
     launch_server,
     stop_process_group,
 )
+
+if TYPE_CHECKING:
+    from streamrl.rollout.sglang_routes import RoutingLayout
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,11 @@ class SglangEngine:
         """Tokens whose truncated log-prob could not be computed exactly: the kept set ran past
         the `top_logprobs_num` entries SGLang returned (see the module docstring)."""
         self._tokenizer: Any = None
-        self.routing = RoutingLayout.of(self.model_dir) if capture_routes else None
+        self.routing: RoutingLayout | None = None
+        if capture_routes:
+            from streamrl.rollout.sglang_routes import RoutingLayout
+
+            self.routing = RoutingLayout.of(self.model_dir)
         self.server: subprocess.Popen | None = None
         if config.url is None:
             self.server, url = launch_server(
@@ -590,85 +595,6 @@ def _parse_output(
     if engine.num_weight_updates > 0 and isinstance(reported, str) and reported.isdigit():
         version = int(reported)  # exact even when the response crossed a weight update
     return token_ids, logprobs, version, reason, top, routes
-
-
-@dataclass(frozen=True)
-class RoutingLayout:
-    """How a model's routed experts arrive from SGLang: `num_layers` per position (SGLang's
-    capture buffer has one per decoder layer), of which `moe_layers` have a router, `top_k` experts
-    each, ids below `num_experts`."""
-
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    top_k: int
-    num_experts: int
-
-    @classmethod
-    def of(cls, model_dir: Path) -> RoutingLayout:
-        """The layout of the model in `model_dir` (its config.json; a vision-language model's
-        text config). Mixture-of-experts layers: Qwen-MoE's `mlp_only_layers` and
-        `decoder_sparse_step`, DeepSeek's `first_k_dense_replace` and `moe_layer_freq`."""
-        from streamrl.models.moe import check_routable
-
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"routing capture reads the model's layers from its config.json, and "
-                f"{str(model_dir)!r} has none: give the SGLang engine a local model directory"
-            )
-        config = json.loads(path.read_text())
-        config = config.get("text_config") or config.get("thinker_config", {}).get(
-            "text_config", config
-        )
-        num_experts = int(
-            config.get("num_experts")  # as transformers 4 writes it; 5 writes num_local_experts
-            or config.get("num_local_experts")
-            or config.get("n_routed_experts")  # DeepSeek
-            or 0
-        )
-        check_routable(num_experts)
-        num_layers = int(config["num_hidden_layers"])
-        dense = set(config.get("mlp_only_layers") or [])
-        step = int(config.get("decoder_sparse_step") or 1)
-        first_moe = int(config.get("first_k_dense_replace") or 0)
-        freq = int(config.get("moe_layer_freq") or 1)
-        moe_layers = tuple(
-            i
-            for i in range(num_layers)
-            if i not in dense and (i + 1) % step == 0 and i >= first_moe and i % freq == 0
-        )
-        return cls(num_layers, moe_layers, int(config["num_experts_per_tok"]), num_experts)
-
-    def decode(self, encoded: Any, positions: int, url: str) -> np.ndarray:
-        """`meta_info.routed_experts` of a response that ran `positions` positions, as the
-        `routed_experts` field takes it: uint8 `[positions, MoE layers, top k]`."""
-        import base64
-
-        from streamrl.models.moe import ROUTE_DTYPE
-
-        if not isinstance(encoded, str):
-            raise SglangError(
-                f"the SGLang server at {url} sent no routed experts (meta_info.routed_experts); "
-                "routing replay needs a server started with --enable-return-routed-experts"
-            )
-        raw = base64.b64decode(encoded)
-        slots = positions * self.num_layers * self.top_k
-        width = len(raw) // max(slots, 1)
-        dtypes = {4: np.int32, 2: np.uint16, 1: np.uint8}
-        if len(raw) != slots * width or (slots and width not in dtypes):
-            raise SglangError(
-                f"SGLang's routed experts are {len(raw)} bytes; expected {positions} positions x "
-                f"{self.num_layers} layers x top {self.top_k} of 4, 2 or 1 bytes each"
-            )
-        routes = np.frombuffer(raw, dtypes.get(width, np.uint8)).reshape(
-            positions, self.num_layers, self.top_k
-        )[:, list(self.moe_layers)]
-        if routes.size and not (0 <= int(routes.min()) and int(routes.max()) < self.num_experts):
-            raise SglangError(
-                f"SGLang's routed experts name experts outside [0, {self.num_experts}): "
-                f"{int(routes.min())}..{int(routes.max())}"
-            )
-        return routes.astype(ROUTE_DTYPE)
 
 
 def kept_mass(top_logprobs: Sequence[float], params: SamplingParams) -> tuple[float, bool]:

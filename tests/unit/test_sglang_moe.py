@@ -33,7 +33,8 @@ from streamrl.config.schema import SglangConfig
 from streamrl.models.loading import load_causal_lm
 from streamrl.models.tiny import build_tiny_model_dir
 from streamrl.rollout.engines import make_engine
-from streamrl.rollout.sglang_engine import RoutingLayout, SglangEngine, SglangError
+from streamrl.rollout.sglang_engine import SglangEngine, SglangError
+from streamrl.rollout.sglang_routes import RoutingLayout
 from tests.unit.test_moe import engine_rows, replay_gaps
 from tests.unit.test_sglang_engine import FAKE_SERVER, NO_EOS, FakeSglangServer, perturbed
 
