@@ -25,6 +25,7 @@ is left of the gap then shows how much of it was attention's rounding (docs/moe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -69,23 +70,7 @@ def make_engine(name: str, policy, tokenizer):
 
 
 def mismatch(
-    samples: int,
-    engine_name: str,
-    *,
-    random_weights: bool = False,
-    attention: str = "fused",
-    overrides: list[str],
-) -> dict[str, float]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if attention == "fused":
-        return _mismatch(samples, engine_name, random_weights, overrides)
-    with sdpa_kernel([SDPBackend.MATH]):
-        return _mismatch(samples, engine_name, random_weights, overrides)
-
-
-def _mismatch(
-    samples: int, engine_name: str, random_weights: bool, overrides: list[str]
+    samples: int, engine_name: str, *, random_weights: bool = False, overrides: list[str]
 ) -> dict[str, float]:
     import numpy as np
     import torch
@@ -228,17 +213,17 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    for engine in filter(None, args.engines.split(",")):
-        report(
-            engine,
-            mismatch(
-                args.samples,
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fp32 = args.attention == "math"
+    with sdpa_kernel([SDPBackend.MATH]) if fp32 else contextlib.nullcontext():
+        for engine in filter(None, args.engines.split(",")):
+            report(
                 engine,
-                random_weights=args.random,
-                attention=args.attention,
-                overrides=args.overrides,
-            ),
-        )
+                mismatch(
+                    args.samples, engine, random_weights=args.random, overrides=args.overrides
+                ),
+            )
     if not args.pairs:
         return
     ratios = []
